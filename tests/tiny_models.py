@@ -1,0 +1,84 @@
+"""Tiny random models built locally (no hub): a trained byte-level BPE tokenizer plus Llama / GPT-2 configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Streaming tokens over server-sent events is fun.",
+    "Continuous batching lets many requests share one forward pass.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "日本語のテキストと中文文本和한국어 텍스트.",
+    "Emoji: 😀 🚀 🎉 👍🏽 ❤️ and accents: café, naïve, Zürich.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers 0123456789 and punctuation: ,.;:!?()[]{}<>",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_tiny_gpt2(path: Path, seed: int = 0, **overrides) -> Path:
+    tokenizer = build_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
