@@ -1,0 +1,92 @@
+"""Incremental detokenization: well-formed UTF-8 deltas, stop strings held back until they cannot match."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens fed to the stream first, so that the first output token decodes in context
+# (a SentencePiece "▁word" keeps its leading space after a prompt, as in a full decode).
+NUM_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Turns one token at a time into text deltas.
+
+    `tokenizers`' DecodeStream holds back bytes of a character split across tokens; this class adds the
+    stop-string logic: the longest tail of the text that could still begin a stop string is held back.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(prompt_token_ids[-NUM_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens)
+        self._stop = stop
+        self._include_stop = include_stop_str_in_output
+        self._skip_special_tokens = skip_special_tokens
+        self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
+        self._pending_ids: list[int] = []  # tokens whose bytes DecodeStream has not released yet
+        self.text = ""  # everything emitted so far
+
+    def step(self, token_id: int, can_stop: bool = True) -> tuple[str, str | None]:
+        """Feed one token. Returns (text delta, the stop string that matched or None).
+
+        With can_stop False (min_tokens not reached yet) stop strings are not looked for.
+        """
+        piece = self._stream.step(self._tokenizer, token_id)
+        if piece is None:
+            self._pending_ids.append(token_id)
+            return "", None
+        self._pending_ids.clear()
+        return self._emit(self._held + piece, can_stop)
+
+    def flush(self) -> str:
+        """At the end: release what is held (a partial stop match, undecodable trailing bytes)."""
+        tail = self._held
+        if self._pending_ids:
+            tail += self._tokenizer.decode(self._pending_ids, skip_special_tokens=self._skip_special_tokens)
+            self._pending_ids.clear()
+        self._held = ""
+        self.text += tail
+        return tail
+
+    def _emit(self, text: str, can_stop: bool) -> tuple[str, str | None]:
+        if not self._stop or not can_stop:
+            self._held = ""
+            self.text += text
+            return text, None
+        match = self._find_stop(text)
+        if match is not None:
+            index, stop = match
+            delta = text[: index + len(stop)] if self._include_stop else text[:index]
+            self._held = ""
+            self.text += delta
+            return delta, stop
+        num_held = self._num_possible_stop_start(text)
+        delta, self._held = text[: len(text) - num_held], text[len(text) - num_held :]
+        self.text += delta
+        return delta, None
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            index = text.find(stop)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _num_possible_stop_start(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,79 @@
+"""The offline API: LLM(model).generate(prompts, params) and LLM.chat(messages, params)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import engine_config
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """LLM(model=None, **overrides): None is config.toml's model ("" there: the default SmolLM2 GGUF);
+    overrides take config.toml's [engine] keys (dtype, num_kv_blocks, max_num_seqs, ...)."""
+
+    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+        if model is not None:
+            overrides["model"] = model
+        self.engine = LLMEngine(engine_config(**overrides))
+        self.tokenizer = self.engine.tokenizer
+        self._request_ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Generate for each prompt (a string or a list of token ids); results in the order given."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self.engine.encode_prompt(p) for p in prompts]
+        return self._run(token_lists, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.engine.encode_chat(list(c)) for c in conversations]
+        return self._run(token_lists, params, use_tqdm)
+
+    def _run(
+        self, token_lists: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool
+    ) -> list[CompletionOutput]:
+        if params is None:
+            params = SamplingParams()
+        params_list = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(token_lists):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(token_lists)} prompts")
+        results: dict[str, CompletionOutput] = {}
+        try:
+            for token_ids, p in zip(token_lists, params_list):
+                request_id = f"offline-{next(self._request_ids)}"
+                self.engine.add_request(request_id, token_ids, p)
+                results[request_id] = CompletionOutput(request_id, token_ids)
+            with tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                num_pending = len(results)
+                while num_pending:
+                    for delta in self.engine.step():
+                        results[delta.request_id].absorb(delta)
+                        if delta.finished:
+                            num_pending -= 1
+                            bar.update(1)
+        finally:
+            for request_id in results:  # on an error (or KeyboardInterrupt), leave nothing behind
+                self.engine.abort(request_id)
+        return list(results.values())

@@ -1,0 +1,251 @@
+"""Building blocks shared by the model files: per-step metadata, linears with optional weight-only
+quantised copies, norms, rotary embeddings and paged attention.
+
+Every model's forward takes the flattened tokens of one engine step ([T] ids, no batch dimension) plus a
+StepContext that the model runner builds once per step and every layer shares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP_SIZE = 32
+
+
+@dataclass
+class PrefillSpan:
+    """One multi-token chunk: its tokens are rows [start, end) of the step, at positions start_pos.."""
+
+    start: int
+    end: int
+    start_pos: int
+    kv_slots: torch.Tensor | None  # [start_pos + n] cache slots of all its positions; None: attend in-chunk only
+    mask: torch.Tensor | None  # [n, start_pos + n] bool, causal with offset; None with kv_slots None
+
+
+@dataclass
+class StepContext:
+    """Tensors describing one step, built once by the runner and read by every layer.
+
+    Token rows are ordered decodes first (one token each, rows [0, num_decode)), then prefill spans.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [B, nblk] int64, padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nblk * block_size] additive: 0 where the key exists, -inf beyond
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    use_quant: bool = False  # route linears through the weight-only quantised kernels
+    rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per rotary module
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with an optional weight-only int4 copy used when the step asks for it (small M)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.qweight: torch.Tensor | None = None  # packed int4, see quantize_int4
+        self.qscales: torch.Tensor | None = None  # [K / group, N, 2] scale and zero
+
+    def quantize_int4(self, group_size: int = INT4_GROUP_SIZE) -> None:
+        """Asymmetric min/max 4-bit groups along K; for Q4_1 GGUF weights this reproduces the file's grid."""
+        w = self.weight.detach().float()
+        n, k = w.shape
+        if k % group_size or n % 8:
+            return
+        groups = w.view(n, k // group_size, group_size)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-10)
+        q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+        self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel dequantises as (q - 8) * scale + zero
+        zero = lo + 8 * scale
+        self.qscales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
+        if quant and self.qweight is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.qscales)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Head(nn.Module):
+    """The vocabulary projection with an optional per-row int8 copy for small batches."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+        self.qweight: torch.Tensor | None = None
+        self.qscales: torch.Tensor | None = None
+
+    def quantize_int8(self) -> None:
+        w = self.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
+        self.qweight = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8).contiguous()
+        self.qscales = scale.to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
+        if quant and self.qweight is not None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscales)
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # same rounding as the reference: normalise in float32, cast back, then scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the cos/sin scale factor for the config's rope kind."""
+    p = _rope_parameters(hf_config)
+    kind = p["rope_type"]
+    base = float(p["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(p["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        factor = float(p["factor"])
+        old_len = p.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+        beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+        attention_factor = p.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+
+            def get_mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            if mscale and mscale_all_dim:
+                attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = get_mscale(factor)
+
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if p.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        interpolation = inv_freq / factor
+        return interpolation * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in the rotate-half layout of Hugging Face Llama checkpoints."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(hf_config, head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def cos_sin(self, ctx: StepContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # computed once per step and shared by all layers: [T, 1, head_dim]
+        cached = ctx.rope_cache.get(id(self))
+        if cached is None:
+            cached = (self.cos[ctx.positions].to(dtype)[:, None], self.sin[ctx.positions].to(dtype)[:, None])
+            ctx.rope_cache[id(self)] = cached
+        return cached
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    ctx: StepContext,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend causally over each sequence's whole history."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, ctx.slot_mapping, k)
+    v_flat.index_copy_(0, ctx.slot_mapping, v)
+    out = torch.empty_like(q)
+
+    nd = ctx.num_decode
+    if nd:
+        # gather whole blocks per sequence: [B, nblk, block_size, KVH, D] -> [B, KVH, L, D]
+        bt = ctx.decode_block_tables
+        keys = k_cache[bt].flatten(1, 2).permute(0, 2, 3, 1)  # [B, KVH, D, L]
+        values = v_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        scores = torch.matmul(qd, keys) * scale + ctx.decode_mask  # [B, KVH, G, L]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:nd] = torch.matmul(probs, values).view(nd, num_heads, head_dim)
+
+    for span in ctx.prefills:
+        qs = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
+        if span.kv_slots is None:
+            ks, vs = k[span.start : span.end], v[span.start : span.end]
+            mask, causal = None, True
+        else:
+            ks, vs = k_flat[span.kv_slots], v_flat[span.kv_slots]
+            mask, causal = span.mask, False
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[span.start : span.end] = o.transpose(0, 1)
+    return out

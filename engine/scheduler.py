@@ -1,0 +1,115 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption by recompute.
+
+Each step serves the running sequences first (in arrival order: a decode costs one token, an unfinished
+prefill continues with the next chunk), then admits waiting ones in FCFS order while the budget, max_num_seqs
+and free blocks allow. When a running sequence needs a block and none is free, the most recently admitted
+running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (through the prefix cache, mostly) later. The scheduler never touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
+
+    @property
+    def is_sampling(self) -> bool:
+        """The chunk reaches the last token, so the step yields the sequence's next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledChunk] = []
+        has_preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_tokens):
+                has_preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+                i += 1
+        if has_preempted:
+            return scheduled  # no admissions while memory is short: they would be preempted next
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            scheduled.append(ScheduledChunk(seq, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Give a waiting sequence its cached prefix and blocks for its first chunk; False if they are short."""
+        num_cached = self.block_manager.allocate_cached_prefix(seq)
+        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        if not self.block_manager.allocate_slots(seq, num_tokens):
+            self.block_manager.free(seq)
+            return False
+        if seq.is_first_admission:
+            seq.is_first_admission = False
+            seq.num_cached_tokens = num_cached
+            self.block_manager.record_prefix_query(seq.num_prompt_tokens, num_cached)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def on_computed(self, chunks: list[ScheduledChunk]) -> None:
+        """After a forward pass: advance KV progress and offer newly filled blocks to the prefix cache."""
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(chunk.seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence wherever it is (waiting, prefilling, decoding) and free its blocks. Idempotent."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,83 @@
+"""Per-request state: tokens, KV progress, status. Pure Python; only the event-loop thread mutates it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.batch import SampledToken
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks: prefilling or decoding
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request. Tokens [0, num_computed_tokens) have their KV in the blocks of block_table."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        detokenizer: IncrementalDetokenizer,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
+        self.detokenizer = detokenizer
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids, in order
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.is_first_admission = True
+        self.logprobs: list[SampledToken] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival_time = time.monotonic()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole concatenation."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,76 @@
+import pytest
+from tiny_models import build_tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["日本語のテキスト", "Emoji: 😀 🚀 👍🏽 ❤️!", "café naïve Zürich", "中文文本和한국어 텍스트.", "plain ascii words"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def stream(tokenizer, text, stop=(), include=False, prompt="Hello"):
+    prompt_ids = tokenizer.encode(prompt)
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, prompt_ids, list(stop), include, True)
+    deltas, matched = [], None
+    for token_id in tokenizer.encode(text):
+        delta, matched = detok.step(token_id)
+        deltas.append(delta)
+        if matched:
+            break
+    if not matched:
+        deltas.append(detok.flush())
+    return deltas, matched, detok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_are_whole_characters_and_concatenate_to_the_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # the tiny BPE splits these characters across tokens
+    deltas, _, detok = stream(tokenizer, text)
+    assert all("\ufffd" not in d for d in deltas)
+    for d in deltas:
+        d.encode("utf-8")  # no lone surrogates
+    assert "".join(deltas) == text == detok.text
+
+
+def test_a_split_character_is_held_until_complete(tokenizer):
+    assert len(tokenizer.encode("😀")) > 1
+    deltas, _, _ = stream(tokenizer, "😀")
+    assert all(d in ("", "😀") for d in deltas) and "".join(deltas) == "😀"
+
+
+@pytest.mark.parametrize("stop", ["brown fox", "x j", "日本", "🚀"])
+def test_stop_string_spanning_tokens_never_leaks(tokenizer, stop):
+    text = "The quick brown fox jumps 日本語 🚀 done"
+    text = text if stop in text else text + stop
+    deltas, matched, detok = stream(tokenizer, text + " tail", stop=[stop])
+    assert matched == stop
+    assert "".join(deltas) == text[: text.index(stop)]
+    for i in range(len(deltas)):
+        assert stop not in "".join(deltas[: i + 1])
+
+
+def test_include_stop_str_in_output(tokenizer):
+    deltas, matched, _ = stream(tokenizer, "say hello world now", stop=["world"], include=True)
+    assert matched == "world" and "".join(deltas) == "say hello world"
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    deltas, matched, _ = stream(tokenizer, "one two three", stop=["three", "two"])
+    assert matched == "two" and "".join(deltas) == "one "
+
+
+def test_partial_stop_match_is_released_when_it_cannot_match(tokenizer):
+    deltas, matched, _ = stream(tokenizer, "the fox jumps", stop=["fox!"])
+    assert matched is None and "".join(deltas) == "the fox jumps"
+
+
+def test_undecodable_tail_is_flushed(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, [], [], False, True)
+    first_byte_of_emoji = tokenizer.encode("😀")[0]
+    assert detok.step(first_byte_of_emoji) == ("", None)
+    tail = detok.flush()
+    assert tail and detok.text == tail
