@@ -46,7 +46,7 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
+    defaults = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -56,10 +56,11 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
         max_position_embeddings=512,
         rope_theta=10000.0,
         tie_word_embeddings=False,
+        initializer_range=0.1,  # spreads the logits: greedy parity tests should not hinge on near-ties
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **overrides,
     )
+    config = LlamaConfig(**{**defaults, **overrides})
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -68,16 +69,17 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
 
 def save_tiny_gpt2(path: Path, seed: int = 0, **overrides) -> Path:
     tokenizer = build_tokenizer()
-    config = GPT2Config(
+    defaults = dict(
         vocab_size=len(tokenizer),
         n_embd=64,
         n_layer=2,
         n_head=4,
         n_positions=512,
+        initializer_range=0.1,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **overrides,
     )
+    config = GPT2Config(**{**defaults, **overrides})
     torch.manual_seed(seed)
     GPT2LMHeadModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
