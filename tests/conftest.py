@@ -18,3 +18,11 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory) -> Path:
     return save_tiny_gpt2(tmp_path_factory.mktemp("tiny_gpt2"))
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The real default model (SmolLM2-135M-Instruct GGUF), in float32 so greedy parity with transformers is exact."""
+    from engine import LLM
+
+    return LLM("", dtype="float32", quantize="none", num_kv_blocks=512, max_num_seqs=16)

@@ -1,0 +1,42 @@
+"""Shared pieces of the engine tests: a transformers greedy reference and engine construction."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+
+
+@lru_cache(maxsize=4)
+def hf_model(model_dir: str, dtype: str = "float32"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+
+def hf_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int, dtype: str = "float32") -> list[int]:
+    """transformers generate(do_sample=False), never stopping early: the reference for greedy parity."""
+    model = hf_model(str(model_dir), dtype)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config, eos_token_id=None)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def make_llm(model_dir: Path | str, **overrides) -> LLM:
+    settings = dict(dtype="float32", quantize="none", num_kv_blocks=256, block_size=4, max_num_seqs=16)
+    settings.update(overrides)
+    return LLM(str(model_dir), **settings)
+
+
+def assert_pool_full(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests
+    assert engine.num_free_blocks == engine.num_total_blocks, (engine.num_free_blocks, engine.num_total_blocks)
+
+
+def engine_config_for(model_dir: Path | str, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), **overrides)
