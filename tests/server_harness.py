@@ -1,0 +1,148 @@
+"""A real Hypercorn server on a free loopback port, run in a thread (or a subprocess) for the server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig, ServerConfig
+from web.app import create_app
+from web.server import hypercorn_config, serve
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached in time")
+        time.sleep(interval)
+
+
+def health(base_url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        response = httpx.get(f"{base_url}/health", timeout=5)
+    except httpx.TransportError:
+        return 0, {}
+    return response.status_code, response.json()
+
+
+class ThreadedServer:
+    """Hypercorn + the engine loop in a thread of their own, with an event loop of their own."""
+
+    def __init__(self, load_engine: Callable[[], Any], **server_overrides: Any) -> None:
+        self.config = ServerConfig(port=free_port(), **server_overrides)
+        self.base_url = f"http://127.0.0.1:{self.config.port}"
+        self.async_engine = AsyncEngine(load_engine, max_pending=self.config.max_pending)
+        self.app = create_app(self.async_engine, self.config)
+        self._exit = ExitStack()
+        self._portal: BlockingPortal | None = None
+        self._stop: anyio.Event | None = None
+        self._served: Future[int] | None = None
+
+    def __enter__(self) -> ThreadedServer:
+        self._portal = self._exit.enter_context(start_blocking_portal("asyncio"))
+        self._stop = self._portal.call(anyio.Event)
+        hconfig = hypercorn_config(self.config)
+        self._served = self._portal.start_task_soon(
+            lambda: serve(self.async_engine, self.app, self.config, bind=hconfig, stop=self._stop)
+        )
+        wait_until(lambda: health(self.base_url)[0] == 200 or self._served.done())
+        if self._served.done():
+            self._served.result()
+        return self
+
+    @property
+    def engine(self) -> Any:
+        return self.async_engine.engine
+
+    def stop(self, timeout: float = 30.0) -> int:
+        assert self._portal is not None and self._stop is not None and self._served is not None
+        if not self._served.done():
+            self._portal.call(self._stop.set)
+        return self._served.result(timeout)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            self.stop()
+        finally:
+            self._exit.close()
+
+
+def tiny_engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    defaults: dict[str, Any] = dict(
+        model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=256
+    )
+    return EngineConfig(**{**defaults, **overrides})
+
+
+def llm_engine_loader(config: EngineConfig) -> Callable[[], Any]:
+    def load() -> Any:
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+
+    return load
+
+
+def server_subprocess(args: list[str], env_overrides: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env_overrides or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "web.server", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@dataclass
+class SSEStream:
+    status: int
+    headers: httpx.Headers
+    events: list[Any]  # decoded JSON payloads, then the string "[DONE]"
+    raw_lines: list[str]
+
+
+def parse_sse(lines: Iterator[str]) -> tuple[list[Any], list[str]]:
+    events: list[Any] = []
+    raw: list[str] = []
+    for line in lines:
+        raw.append(line)
+        if not line:
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        data = line[len("data: ") :]
+        events.append("[DONE]" if data == "[DONE]" else orjson.loads(data))
+    return events, raw
+
+
+def stream_request(client: httpx.Client, path: str, body: dict[str, Any]) -> SSEStream:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            response.read()
+            return SSEStream(response.status_code, response.headers, [response.json()], [])
+        events, raw = parse_sse(response.iter_lines())
+        return SSEStream(response.status_code, response.headers, events, raw)

@@ -1,0 +1,83 @@
+"""Every error leaves the server in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from quart import Quart, Response
+from werkzeug.exceptions import HTTPException
+
+from web.json_response import json_response
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> Response:
+        response = json_response(self.body(), self.status)
+        response.headers.update(self.headers)
+        return response
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    error_type = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def register_error_handlers(app: Quart) -> None:
+    @app.errorhandler(APIError)
+    async def handle_api_error(error: APIError) -> Response:
+        return error.response()
+
+    @app.errorhandler(HTTPException)
+    async def handle_http_exception(error: HTTPException) -> Response:
+        status = error.code or 500
+        message = error.description or error.name
+        response = APIError(status, message, code=HTTP_CODES.get(status)).response()
+        if status == 405 and error.get_response().headers.get("Allow"):
+            response.headers["Allow"] = error.get_response().headers["Allow"]
+        return response
+
+    @app.errorhandler(Exception)
+    async def handle_unexpected(error: Exception) -> Response:
+        logger.exception("unhandled error while serving a request")
+        return APIError(500, f"internal server error: {type(error).__name__}", code="internal_error").response()

@@ -1,0 +1,141 @@
+"""The bodies and stream chunks of /v1/chat/completions and /v1/completions, built from engine deltas."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.batch import SampledToken
+from engine.outputs import RequestOutput
+from web.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def absorb(self, output: RequestOutput) -> None:
+        self.completion_tokens += len(output.new_token_ids)
+        self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole result, for the non-streaming responses."""
+
+    usage: Usage
+    text: str = ""
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def absorb(self, output: RequestOutput) -> None:
+        self.usage.absorb(output)
+        self.text += output.text_delta
+        self.logprobs.extend(output.logprobs or [])
+        if output.finished:
+            self.finish_reason, self.error = output.finish_reason, output.error
+
+
+class _Responses:
+    id_prefix = ""
+    chunk_object = ""
+    response_object = ""
+
+    def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+        self.wants_logprobs = wants_logprobs
+        self.include_usage = include_usage
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object, [choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object, []), "usage": usage.as_dict()}
+
+    def _response(self, choice: dict[str, Any], usage: Usage) -> dict[str, Any]:
+        return {**self._envelope(self.response_object, [choice]), "usage": usage.as_dict()}
+
+
+class ChatResponses(_Responses):
+    id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+    response_object = "chat.completion"
+
+    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict:
+        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+
+    def opening_chunks(self) -> list[dict]:
+        return [self._delta({"role": "assistant", "content": ""})]
+
+    def delta_chunk(self, output: RequestOutput) -> dict | None:
+        logprobs = chat_logprobs(output.logprobs, self.token_text) if self.wants_logprobs and output.logprobs else None
+        if not output.text_delta and logprobs is None:
+            return None
+        return self._delta({"content": output.text_delta}, logprobs=logprobs)
+
+    def finish_chunk(self, finish_reason: str) -> dict:
+        return self._delta({}, finish_reason)
+
+    def full_response(self, result: Completion) -> dict:
+        logprobs = chat_logprobs(result.logprobs, self.token_text) if self.wants_logprobs else None
+        message = {"role": "assistant", "content": result.text}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        return self._response(choice, result.usage)
+
+
+class CompletionResponses(_Responses):
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+    response_object = "text_completion"
+
+    def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
+        super().__init__(model, token_text, wants_logprobs, include_usage)
+        self._offsets = TextOffsets()
+
+    def _text(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict:
+        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+
+    def _logprobs(self, tokens: list[SampledToken]) -> dict[str, Any]:
+        return completion_logprobs(tokens, self.token_text, self._offsets)
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, output: RequestOutput) -> dict | None:
+        logprobs = self._logprobs(output.logprobs) if self.wants_logprobs and output.logprobs else None
+        if not output.text_delta and logprobs is None:
+            return None
+        return self._text(output.text_delta, logprobs=logprobs)
+
+    def finish_chunk(self, finish_reason: str) -> dict:
+        return self._text("", finish_reason)
+
+    def full_response(self, result: Completion) -> dict:
+        logprobs = self._logprobs(result.logprobs) if self.wants_logprobs else None
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        return self._response(choice, result.usage)
+
+
+ResponseFormat = ChatResponses | CompletionResponses

@@ -1,0 +1,136 @@
+"""The HTTP endpoints. Handlers only validate, tokenize and enqueue; the engine loop does the rest."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from quart import Blueprint, Response, request
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import EngineState, EngineUnavailable, QueueFull, RequestStream
+from engine.sampling_params import SamplingParams
+from web.app import Services, services
+from web.errors import APIError
+from web.json_response import json_response
+from web.metrics import RequestTimer
+from web.responses import ChatResponses, Completion, CompletionResponses, ResponseFormat, Usage
+from web.schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from web.sse import sse_response
+
+blueprint = Blueprint("openai", __name__)
+
+
+@blueprint.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    entry = time.perf_counter()
+    s = services()
+    body = parse_request(ChatCompletionRequest, await read_json_body())
+    model = s.check_model(body.model)
+    messages = [m.as_template_dict() for m in body.messages]
+    prompt = tokenize(lambda: s.engine.encode_chat(messages), param="messages")
+    fmt = ChatResponses(model, s.token_text, bool(body.logprobs), body.include_usage)
+    return await generate(s, entry, fmt, prompt, body.to_sampling_params(), bool(body.stream))
+
+
+@blueprint.post("/v1/completions")
+async def completions() -> Response:
+    entry = time.perf_counter()
+    s = services()
+    body = parse_request(CompletionRequest, await read_json_body())
+    model = s.check_model(body.model)
+    prompt_input = body.single_prompt()
+    prompt = tokenize(lambda: s.engine.encode_prompt(prompt_input), param="prompt")
+    fmt = CompletionResponses(model, s.token_text, body.logprobs is not None, body.include_usage)
+    return await generate(s, entry, fmt, prompt, body.to_sampling_params(), bool(body.stream))
+
+
+@blueprint.get("/v1/models")
+async def models() -> Response:
+    s = services()
+    model = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
+    return json_response({"object": "list", "data": [model]})
+
+
+@blueprint.get("/health")
+async def health() -> Response:
+    stats = services().engine.stats()
+    return json_response(
+        {
+            "state": stats.state,
+            "waiting": stats.waiting,
+            "running": stats.running,
+            "pending": stats.pending,
+            "free_kv_blocks": stats.free_kv_blocks,
+            "total_kv_blocks": stats.total_kv_blocks,
+        },
+        200 if stats.state == EngineState.READY.value else 503,
+    )
+
+
+@blueprint.get("/metrics")
+async def metrics() -> Response:
+    s = services()
+    return Response(s.metrics.render(s.engine.stats()), content_type=CONTENT_TYPE_LATEST)
+
+
+async def read_json_body() -> Any:
+    if request.mimetype != "application/json":
+        raise APIError(415, f"the request body must be application/json, not {request.mimetype or 'absent'!r}",
+                       code="unsupported_media_type")  # fmt: skip
+    data = await request.get_data(cache=False)
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def tokenize(encode: Callable[[], list[int]], param: str) -> list[int]:
+    try:
+        return encode()
+    except EngineUnavailable as error:
+        raise unavailable(error) from None
+    except ValueError as error:
+        raise APIError(400, str(error), param=param) from None
+
+
+def unavailable(error: EngineUnavailable) -> APIError:
+    return APIError(503, f"the server is not accepting requests: {error}", code=f"engine_{error.state.value}")
+
+
+async def generate(
+    s: Services, entry: float, fmt: ResponseFormat, prompt: list[int], params: SamplingParams, streaming: bool
+) -> Response:
+    try:
+        stream = s.engine.submit(fmt.id, prompt, params)
+    except QueueFull as error:
+        s.metrics.admission.observe(time.perf_counter() - entry)
+        s.metrics.rejected.inc()
+        retry_after = {"Retry-After": str(s.config.retry_after_seconds)}
+        raise APIError(429, f"the server is busy: {error}", code="queue_full", headers=retry_after) from None
+    except EngineUnavailable as error:
+        raise unavailable(error) from None
+    except ValueError as error:
+        raise APIError(400, str(error), param="max_tokens") from None
+    s.metrics.admission.observe(time.perf_counter() - entry)
+    timer = RequestTimer(s.metrics, stream)
+    if streaming:
+        return sse_response(stream, fmt, timer, s.engine.abort)
+    return json_response(fmt.full_response(await collect(s, stream, timer)))
+
+
+async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Completion:
+    result = Completion(Usage(prompt_tokens=len(stream.prompt_token_ids)))
+    try:
+        async for output in stream:
+            timer.observe(output)
+            result.absorb(output)
+    finally:
+        stream.close()
+        if s.engine.abort(stream.request_id):  # the client left (the handler was cancelled)
+            timer.end("abort")
+    if result.finish_reason == "error" or result.finish_reason is None:
+        raise APIError(500, result.error or "the request ended without a result", code="engine_error")
+    return result

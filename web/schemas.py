@@ -1,0 +1,189 @@
+"""Request bodies of the OpenAI API, validated strictly (no "5" for 5), turned into SamplingParams."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from web.errors import APIError
+
+StrictModel = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = StrictModel
+    include_usage: bool | None = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
+
+    model_config = StrictModel
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0)
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=_default(self.min_tokens, 0),
+                temperature=_default(self.temperature, 1.0),
+                top_k=_default(self.top_k, -1),
+                top_p=_default(self.top_p, 1.0),
+                min_p=_default(self.min_p, 0.0),
+                seed=self.seed,
+                presence_penalty=_default(self.presence_penalty, 0.0),
+                frequency_penalty=_default(self.frequency_penalty, 0.0),
+                repetition_penalty=_default(self.repetition_penalty, 1.0),
+                stop=self.stop,
+                ignore_eos=bool(self.ignore_eos),
+                logprobs=logprobs,
+            )
+        except ValueError as error:
+            raise APIError(400, str(error), param=_param_named_in(str(error))) from None
+
+
+class TextPart(BaseModel):
+    model_config = StrictModel
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = StrictModel
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # The chat templates of small models know "system" but not OpenAI's newer "developer".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} are not supported by this server", param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        return prompt  # type: ignore[return-value]
+
+    def to_sampling_params(self) -> SamplingParams:
+        # OpenAI's legacy default for /v1/completions is 16 tokens.
+        return self.sampling_params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs)
+
+
+RequestModel = TypeVar("RequestModel", bound=SamplingFields)
+
+
+def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = _param_from_loc(first["loc"])
+        where = f"{param}: " if param else ""
+        raise APIError(400, f"{where}{first['msg']}", param=param) from None
+    request.check_supported()
+    return request
+
+
+# pydantic puts the member of a union it tried into `loc` ("str", "list[int]", ...): not part of the path.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\-].*)$")
+
+
+def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
+    parts = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.match(p)]
+    return ".".join(parts) or None
+
+
+def _param_named_in(message: str) -> str | None:
+    name = message.split(" ", 1)[0]
+    return name if name in SamplingFields.model_fields or name in ("logprobs", "max_tokens") else None
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -1,0 +1,137 @@
+"""`python -m web.server`: one anyio task group owns the process: Hypercorn, the engine loop, the signal watcher.
+
+SIGTERM / SIGINT: stop admitting (503), let in-flight requests finish within drain_timeout, abort the rest,
+then shut Hypercorn down and exit 0. An engine-loop crash ends every open stream with an error event, shuts
+down, and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from dataclasses import fields
+from functools import partial
+
+import anyio
+from anyio.abc import TaskStatus
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from quart import Quart
+
+from engine.async_engine import AsyncEngine, EngineState
+from engine.config import EngineConfig, ServerConfig, SluiceConfig, load_config
+
+logger = logging.getLogger("sluice.server")
+
+# The drain happens in the application before Hypercorn is told to stop, so Hypercorn's own grace period
+# only has to cover writing the last events: it is a backstop.
+HYPERCORN_GRACE_SECONDS = 5.0
+# Hypercorn's default backlog (100) drops connections in a burst of a few hundred clients.
+LISTEN_BACKLOG = 2048
+
+
+def hypercorn_config(server: ServerConfig) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"{server.host}:{server.port}"]
+    config.graceful_timeout = HYPERCORN_GRACE_SECONDS
+    config.backlog = LISTEN_BACKLOG
+    config.accesslog = None
+    config.errorlog = logger
+    return config
+
+
+def build_engine(config: SluiceConfig) -> AsyncEngine:
+    from engine.llm_engine import LLMEngine  # torch: imported only when a server really starts
+
+    return AsyncEngine(partial(LLMEngine, config.engine), max_pending=config.server.max_pending)
+
+
+async def serve(
+    engine: AsyncEngine,
+    app: Quart,
+    config: ServerConfig,
+    *,
+    bind: HypercornConfig | None = None,
+    stop: anyio.Event | None = None,
+) -> int:
+    """Serve until SIGTERM / SIGINT (or `stop`, for servers outside the main thread) or an engine crash;
+    returns the exit code."""
+    shutdown = anyio.Event()
+    hconfig = bind or hypercorn_config(config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_serve_http, app, hconfig, shutdown, tg.cancel_scope)
+        tg.start_soon(_drain_on_stop, engine, config.drain_timeout, shutdown, stop)
+        await tg.start(_run_engine, engine, shutdown)
+        logger.info("engine ready; serving on %s", ", ".join(hconfig.bind))
+    return 1 if engine.state is EngineState.DEAD else 0
+
+
+async def _serve_http(app: Quart, config: HypercornConfig, shutdown: anyio.Event, scope: anyio.CancelScope) -> None:
+    # In a child task of its own: Hypercorn's serve() can leave a pending cancel on the task that called it.
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+    scope.cancel()  # HTTP is done: stop the signal watcher and the idle engine loop
+
+
+async def _run_engine(engine: AsyncEngine, shutdown: anyio.Event, *, task_status: TaskStatus[None]) -> None:
+    try:
+        await engine.run(task_status=task_status)
+    except Exception:
+        if not engine.loaded:
+            raise  # nothing was served yet: fail loudly
+        logger.exception("the engine loop crashed: shutting down")
+    finally:
+        shutdown.set()
+
+
+async def _drain_on_stop(
+    engine: AsyncEngine, drain_timeout: float, shutdown: anyio.Event, stop: anyio.Event | None
+) -> None:
+    if stop is None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, drain_timeout)
+                break
+    else:
+        await stop.wait()
+    await engine.drain(drain_timeout)
+    shutdown.set()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m web.server",
+        description="Sluice: an OpenAI-compatible server. Flags override SLUICE_<KEY> env vars, which override the config file.",
+    )
+    parser.add_argument("--config", help="a config.toml (default: the repository's)")
+    for cls in (EngineConfig, ServerConfig):
+        for f in fields(cls):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, help=f"[{cls.__name__}] default {f.default!r}")
+    return parser.parse_args(argv)
+
+
+def load_from_args(args: argparse.Namespace) -> SluiceConfig:
+    values = vars(args)
+    return load_config(
+        values.get("config"),
+        engine_overrides={f.name: values.get(f.name) for f in fields(EngineConfig)},
+        server_overrides={f.name: values.get(f.name) for f in fields(ServerConfig)},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = load_from_args(parse_args(argv))
+    except ValueError as error:
+        print(f"configuration error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from web.app import create_app
+
+    engine = build_engine(config)
+    return anyio.run(serve, engine, create_app(engine, config.server), config.server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

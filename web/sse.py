@@ -1,0 +1,75 @@
+"""Server-sent events: one accepted request's deltas as OpenAI stream chunks, ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from quart import Response
+
+from engine.async_engine import RequestStream
+from web.errors import error_body
+from web.json_response import dumps
+from web.metrics import RequestTimer
+from web.responses import ResponseFormat, Usage
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+def engine_error_event(message: str) -> bytes:
+    return sse_event(error_body(500, message, code="engine_error"))
+
+
+async def stream_events(
+    stream: RequestStream, fmt: ResponseFormat, timer: RequestTimer, abort: Callable[[str], bool]
+) -> AsyncIterator[bytes]:
+    """Exactly one terminal event (a finish chunk or an error event), then [DONE], on every path that the
+    client is still there to see. A client that leaves is aborted in `finally` (CancelledError at an await,
+    GeneratorExit at a yield); the exception then propagates."""
+    usage = Usage(prompt_tokens=len(stream.prompt_token_ids))
+    try:
+        for chunk in fmt.opening_chunks():
+            yield sse_event(chunk)
+        async for output in stream:
+            timer.observe(output)
+            usage.absorb(output)
+            if output.finish_reason == "error":
+                yield engine_error_event(output.error or "the engine failed")
+                break
+            chunk = fmt.delta_chunk(output)
+            if chunk is not None:
+                yield sse_event(chunk)
+            if output.finished:
+                yield sse_event(fmt.finish_chunk(output.finish_reason or "stop"))
+                if fmt.include_usage:
+                    yield sse_event(fmt.usage_chunk(usage))
+                break
+        else:
+            timer.end("error")
+            yield engine_error_event("the request ended without a result")
+        yield DONE
+    finally:
+        stream.close()
+        if abort(stream.request_id):
+            timer.end("abort")
+
+
+def sse_response(
+    stream: RequestStream, fmt: ResponseFormat, timer: RequestTimer, abort: Callable[[str], bool]
+) -> Response:
+    events = stream_events(stream, fmt, timer, abort)
+    # If the client leaves before Quart starts iterating, the generator's `finally` never runs: abort when
+    # it is collected instead, on the event-loop thread (the collector may run in the forward-pass thread).
+    loop = asyncio.get_running_loop()
+    on_collect = weakref.finalize(events, loop.call_soon_threadsafe, abort, stream.request_id)
+    on_collect.atexit = False
+    response = Response(events, status=200, content_type="text/event-stream", headers=SSE_HEADERS)
+    response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut a long stream silently
+    return response
