@@ -1,0 +1,200 @@
+"""One streamed request (httpx), timed from send to headers, first token, every token and the end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from bench.sse import SSEEvent, SSEParser
+from bench.workload import RequestSpec
+
+FLAVORS = ("openai", "sluice", "transformers")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server to measure. The flavor only decides how a fixed output length is asked for."""
+
+    name: str
+    base_url: str
+    model: str | None = None
+    flavor: str = "openai"
+
+    @property
+    def root(self) -> str:
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    endpoint: str = "chat"  # "chat" | "completions"
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    include_usage: bool = True
+    timeout: float = 600.0
+
+
+@dataclass
+class RequestResult:
+    index: int
+    start: float  # seconds since the level started
+    status: int | None = None  # HTTP status; None when no response arrived
+    admission: float | None = None  # send -> response headers (seconds), 429s included
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    content_events: int = 0
+    usage_reported: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        if self.status == 429:
+            return "429"
+        return "error" if self.error is not None else "ok"
+
+
+def build_body(target: Target, spec: RequestSpec, options: RequestOptions) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": spec.max_tokens, "temperature": options.temperature, "stream": True}
+    if options.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    if target.model is not None:
+        body["model"] = target.model
+    if options.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    if options.ignore_eos:
+        if target.flavor == "transformers":
+            # transformers serve rejects unknown fields; a generation_config without eos_token_id never stops early.
+            config = {"max_new_tokens": spec.max_tokens, "do_sample": options.temperature > 0}
+            body["generation_config"] = json.dumps(config)
+        else:
+            body["ignore_eos"] = True  # Sluice, vLLM and llama.cpp's server all accept it
+    return body
+
+
+def endpoint_path(options: RequestOptions) -> str:
+    return "/v1/chat/completions" if options.endpoint == "chat" else "/v1/completions"
+
+
+class _StreamState:
+    """Folds parsed SSE events into a RequestResult."""
+
+    def __init__(self, result: RequestResult, sent: float) -> None:
+        self.result = result
+        self.sent = sent
+        self.last_token: float | None = None
+        self.done = False
+
+    def on_event(self, event: SSEEvent, now: float) -> None:
+        if event.data == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(event.data)
+        except json.JSONDecodeError:
+            self.result.error = f"unparsable event: {event.data[:120]!r}"
+            return
+        if not isinstance(chunk, dict):
+            return
+        if chunk.get("error") is not None:
+            self.result.error = f"error event: {json.dumps(chunk['error'])[:200]}"
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.result.usage_reported = True
+            self.result.prompt_tokens = usage.get("prompt_tokens")
+            self.result.completion_tokens = usage.get("completion_tokens") or 0
+        for choice in chunk.get("choices") or []:
+            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if text:
+                self._on_token(now)
+            if choice.get("finish_reason"):
+                self.result.finish_reason = choice["finish_reason"]
+
+    def _on_token(self, now: float) -> None:
+        result = self.result
+        if self.last_token is None:
+            result.ttft = now - self.sent
+        else:
+            result.itl.append(now - self.last_token)
+        self.last_token = now
+        result.content_events += 1
+
+    def finish(self, now: float) -> None:
+        result = self.result
+        result.e2e = now - self.sent
+        if not result.usage_reported:
+            result.completion_tokens = result.content_events  # one event per token is the common case
+        if result.error is None and result.finish_reason is None and not self.done:
+            result.error = "stream ended without a finish_reason or [DONE]"
+        elif result.error is None and result.finish_reason in ("abort", "error"):
+            result.error = f"finish_reason {result.finish_reason}"
+
+
+async def send_request(
+    client: httpx.AsyncClient, target: Target, spec: RequestSpec, options: RequestOptions, level_start: float
+) -> RequestResult:
+    sent = time.perf_counter()
+    result = RequestResult(index=spec.index, start=sent - level_start)
+    state = _StreamState(result, sent)
+    body = build_body(target, spec, options)
+    try:
+        async with asyncio.timeout(options.timeout):
+            async with client.stream("POST", target.root + endpoint_path(options), json=body) as response:
+                result.admission = time.perf_counter() - sent
+                result.status = response.status_code
+                if response.status_code != 200:
+                    text = (await response.aread()).decode("utf-8", errors="replace")
+                    result.error = f"HTTP {response.status_code}: {text[:200]}"
+                    result.e2e = time.perf_counter() - sent
+                    return result
+                parser = SSEParser()
+                async for chunk in response.aiter_bytes():
+                    now = time.perf_counter()
+                    for event in parser.feed(chunk):
+                        state.on_event(event, now)
+                now = time.perf_counter()
+                for event in parser.close():
+                    state.on_event(event, now)
+                state.finish(now)
+    except TimeoutError:
+        result.error = f"timed out after {options.timeout:g} s"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    return result
+
+
+async def sample_health(client: httpx.AsyncClient, target: Target, interval: float, out: list[float]) -> None:
+    """Polls GET /health until cancelled, appending each latency (s): the server's event-loop responsiveness."""
+    while True:
+        start = time.perf_counter()
+        try:
+            response = await client.get(target.root + "/health")
+            await response.aread()
+        except httpx.HTTPError:
+            await asyncio.sleep(interval)
+            continue
+        if response.status_code in (404, 405) and not out:
+            return  # no /health on this server: record nothing
+        out.append(time.perf_counter() - start)
+        await asyncio.sleep(interval)
+
+
+async def discover_model(client: httpx.AsyncClient, target: Target) -> str | None:
+    """The first model id of GET /v1/models, or None (the request then names no model)."""
+    try:
+        response = await client.get(target.root + "/v1/models")
+        data = response.json().get("data") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return data[0].get("id") if data else None

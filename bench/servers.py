@@ -1,0 +1,117 @@
+"""Servers started for --compare: free loopback ports, readiness polling, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.client import Target
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ManagedServer:
+    target: Target
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sluice_command(port: int, model: str | None, extra_args: list[str]) -> list[str]:
+    command = [sys.executable, "-m", "web.server", "--host", "127.0.0.1", "--port", str(port)]
+    if model:
+        command += ["--model", model]
+    return command + extra_args
+
+
+def transformers_command(port: int, model_dir: str, continuous_batching: bool, dtype: str) -> list[str]:
+    # The CLI module rather than the `transformers` script: the script may not be on PATH outside the venv.
+    command = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", model_dir]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--device", "cpu"]
+    return command + (["--continuous-batching"] if continuous_batching else [])
+
+
+def start(name: str, command: list[str], target: Target, log_dir: Path) -> ManagedServer:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    with open(log_path, "wb") as log:
+        # A session of its own, so stop() can signal the server and any helper process it forks.
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return ManagedServer(target, process, log_path)
+
+
+async def wait_ready(server: ManagedServer, timeout: float = 600.0) -> None:
+    """Polls /health (then /v1/models, for servers without it) until 200; fails fast if the process died."""
+    deadline = time.monotonic() + timeout
+    root = server.target.root
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(
+                    f"{server.target.name} exited with code {server.process.returncode}; log tail:\n{server.log_tail()}"
+                )
+            for path in ("/health", "/v1/models"):
+                try:
+                    response = await client.get(root + path)
+                except httpx.HTTPError:
+                    break
+                if response.status_code == 200:
+                    return
+                if response.status_code != 404:
+                    break
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{server.target.name} not ready after {timeout:g} s; log tail:\n{server.log_tail()}")
+
+
+def stop(server: ManagedServer, grace: float = 30.0) -> None:
+    if server.process.poll() is not None:
+        return
+    try:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        server.process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+    except ProcessLookupError:
+        pass
+
+
+def resolve_hf_model_dir(explicit: str | None) -> str | None:
+    """The Hugging Face folder Sluice caches for its model (the loader knows where), or the explicit path."""
+    if explicit:
+        return explicit
+    try:
+        from engine.config import load_config
+        from engine.models.loader import resolve_model_dir
+    except ImportError:
+        return None
+    try:
+        path = resolve_model_dir(load_config().engine)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"bench: could not resolve Sluice's model folder: {exc}", file=sys.stderr)
+        return None
+    return str(path) if path else None
