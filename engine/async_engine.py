@@ -121,6 +121,7 @@ class AsyncEngine:
         self._wakeup = anyio.Event()
         self._stop_requested = False
         self._all_finished: anyio.Event | None = None  # set during drain once no request is left
+        self._num_cancelled_pending = 0  # aborted but still in the admission stream until the loop drops them
 
     # -- state seen by the HTTP layer --------------------------------------------------------------------
     @property
@@ -139,7 +140,7 @@ class AsyncEngine:
 
     @property
     def num_pending(self) -> int:
-        return self._pending_receive.statistics().current_buffer_used
+        return self._pending_receive.statistics().current_buffer_used - self._num_cancelled_pending
 
     def stats(self) -> EngineStats:
         engine = self._engine
@@ -201,12 +202,17 @@ class AsyncEngine:
             return False
         final = None
         if stream.admitted_time is None:
-            stream.cancelled = True
+            self._cancel_pending(stream)
         elif self._engine is not None and self._state is not EngineState.DEAD:
             final = self._engine.abort(request_id)
         stream._push(final if final is not None else stream._terminal("abort"))
         self._note_finished()
         return True
+
+    def _cancel_pending(self, stream: RequestStream) -> None:
+        if not stream.cancelled:
+            stream.cancelled = True
+            self._num_cancelled_pending += 1
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -263,6 +269,7 @@ class AsyncEngine:
             except anyio.WouldBlock:
                 return
             if stream.cancelled:
+                self._num_cancelled_pending -= 1
                 continue
             try:
                 engine.add_request(stream.request_id, stream.prompt_token_ids, stream.params)
@@ -287,7 +294,8 @@ class AsyncEngine:
     def _end_everything(self, terminal: Callable[[RequestStream], RequestOutput]) -> None:
         requests, self._requests = self._requests, {}
         for stream in requests.values():
-            stream.cancelled = True
+            if stream.admitted_time is None:
+                self._cancel_pending(stream)
             stream._push(terminal(stream))
         self._note_finished()
 

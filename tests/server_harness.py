@@ -93,7 +93,12 @@ class ThreadedServer:
 
 def tiny_engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
     defaults: dict[str, Any] = dict(
-        model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=256
+        model=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_threads=1,  # the tiny model gains nothing from more, and the tests share the CPU
     )
     return EngineConfig(**{**defaults, **overrides})
 
