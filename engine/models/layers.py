@@ -58,20 +58,20 @@ class Linear(nn.Module):
         self.qweight: torch.Tensor | None = None  # packed int4, see quantize_int4
         self.qscales: torch.Tensor | None = None  # [K / group, N, 2] scale and zero
 
-    def quantize_int4(self, group_size: int = INT4_GROUP_SIZE) -> None:
+    def quantize_int4(self, dtype: torch.dtype) -> None:
         """Asymmetric min/max 4-bit groups along K; for Q4_1 GGUF weights this reproduces the file's grid."""
         w = self.weight.detach().float()
         n, k = w.shape
-        if k % group_size or n % 8:
+        if k % INT4_GROUP_SIZE or n % 8:
             return
-        groups = w.view(n, k // group_size, group_size)
+        groups = w.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         lo, hi = groups.amin(-1), groups.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(1e-10)
         q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
         self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel dequantises as (q - 8) * scale + zero
         zero = lo + 8 * scale
-        self.qscales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(self.weight.dtype)
+        self.qscales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(dtype)
 
     def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
         if quant and self.qweight is not None:
@@ -89,11 +89,11 @@ class Int8Head(nn.Module):
         self.qweight: torch.Tensor | None = None
         self.qscales: torch.Tensor | None = None
 
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, dtype: torch.dtype) -> None:
         w = self.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
         self.qweight = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8).contiguous()
-        self.qscales = scale.to(self.weight.dtype)
+        self.qscales = scale.to(dtype)
 
     def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
         if quant and self.qweight is not None:

@@ -1,0 +1,127 @@
+"""Runs one engine step on the model: builds the step's tensors, runs the forward pass, samples.
+
+The only code that runs in the worker thread. It owns the paged KV cache tensors but makes no decisions:
+which blocks a sequence uses is the block manager's business (slot = block_id * block_size + offset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
+from engine.config import EngineConfig
+from engine.models.layers import PrefillSpan, StepContext
+from engine.models.loader import LoadedModel
+
+SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
+
+# Weight-only quantised kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
+QUANT_MAX_TOKENS = 16
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, sampler: SamplerFn | None = None) -> None:
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.model = loaded.model
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks
+        if sampler is None:
+            from engine.sampler import Sampler
+
+            sampler = Sampler(vocab_size=min(len(loaded.tokenizer), loaded.vocab_size))
+        self.sampler = sampler
+        shape = (config.num_kv_blocks, config.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(self.model.num_layers)
+        ]
+        self.quant_max_tokens = QUANT_MAX_TOKENS if config.quantize == "auto" else 0
+
+    def run(self, batch: StepBatch) -> list[SampledToken]:
+        """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order."""
+        with torch.inference_mode():
+            input_ids, ctx, sample_index = self._prepare(batch)
+            hidden = self.model(input_ids, ctx, self.kv_caches)
+            if not sample_index:
+                return []
+            rows = hidden[torch.tensor(sample_index)]
+            logits = self.model.compute_logits(rows, len(sample_index) <= self.quant_max_tokens)
+            return self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
+
+    def warmup(self) -> None:
+        """Run a prefill and a decode step through both kernel paths so the first request is not slow.
+
+        Writes K/V into the first few blocks; they hold nothing yet, and later steps overwrite them.
+        """
+        blocks = list(range(min(4, self.num_kv_blocks)))
+        n = min(len(blocks) * self.block_size - 1, 48)
+        prefill = SeqChunk(seq_id=-1, token_ids=[0] * n, start_pos=0, block_table=blocks, sampling=None)
+        decode = SeqChunk(seq_id=-1, token_ids=[0], start_pos=n, block_table=blocks, sampling=None)
+        with torch.inference_mode():
+            for batch in (StepBatch([prefill]), StepBatch([decode])):
+                input_ids, ctx, _ = self._prepare(batch)
+                hidden = self.model(input_ids, ctx, self.kv_caches)
+                self.model.compute_logits(hidden[-1:], batch.num_tokens <= self.quant_max_tokens)
+
+    def _slots(self, chunk: SeqChunk, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, chunk.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, StepContext, list[int]]:
+        """Flatten the batch, decodes first, and build every index / mask tensor the layers share."""
+        decodes = [c for c in batch.chunks if c.num_tokens == 1]
+        prefills = [c for c in batch.chunks if c.num_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row: dict[int, int] = {}  # id(chunk) -> row of its last token
+
+        for c in decodes:
+            last_row[id(c)] = len(input_ids)
+            input_ids.append(c.token_ids[0])
+            positions.append(c.start_pos)
+            slots += self._slots(c, c.start_pos, c.start_pos + 1)
+
+        decode_block_tables = decode_mask = None
+        if decodes:
+            bs = self.block_size
+            num_blocks = [(c.start_pos + bs) // bs for c in decodes]  # blocks covering [0, start_pos]
+            width = max(num_blocks)
+            decode_block_tables = torch.tensor(
+                [c.block_table[:nb] + [0] * (width - nb) for c, nb in zip(decodes, num_blocks)], dtype=torch.int64
+            )
+            kv_lens = torch.tensor([c.start_pos + 1 for c in decodes])
+            visible = torch.arange(width * bs)[None, :] < kv_lens[:, None]
+            decode_mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+            decode_mask = decode_mask[:, None, None, :]
+
+        spans: list[PrefillSpan] = []
+        for c in prefills:
+            start, n, kv_len = len(input_ids), c.num_tokens, c.start_pos + c.num_tokens
+            last_row[id(c)] = start + n - 1
+            input_ids += c.token_ids
+            positions += range(c.start_pos, kv_len)
+            slots += self._slots(c, c.start_pos, kv_len)
+            if c.start_pos == 0:
+                spans.append(PrefillSpan(start, start + n, 0, kv_slots=None, mask=None))
+            else:
+                kv_slots = torch.tensor(self._slots(c, 0, kv_len), dtype=torch.int64)
+                # query i sits at position start_pos + i and sees keys 0 .. start_pos + i
+                mask = torch.ones(n, kv_len, dtype=torch.bool).tril(diagonal=c.start_pos)
+                spans.append(PrefillSpan(start, start + n, c.start_pos, kv_slots=kv_slots, mask=mask))
+
+        ctx = StepContext(
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decode=len(decodes),
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefills=spans,
+            use_quant=len(input_ids) <= self.quant_max_tokens,
+        )
+        sample_index = [last_row[id(c)] for c in batch.chunks if c.sampling is not None]
+        return torch.tensor(input_ids, dtype=torch.int64), ctx, sample_index

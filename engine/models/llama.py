@@ -1,0 +1,156 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA, SwiGLU.
+
+q/k/v and gate/up are fused into one linear each; checkpoints are mapped onto the fused weights on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import Int8Head, Linear, RMSNorm, Rotary, StepContext, paged_attention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, rotary: Rotary) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Qwen2 always has q/k/v bias and its config has no attention_bias field
+        bias = getattr(cfg, "attention_bias", cfg.model_type == "qwen2")
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
+        qkv = self.qkv_proj(x, ctx.use_quant)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(ctx, x.dtype)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale)
+        return self.o_proj(o.view(-1, self.q_size), ctx.use_quant)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, ctx.use_quant).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up, ctx.use_quant)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens.weight.requires_grad_(False)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = Rotary(cfg, head_dim, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our fused module, index of its shard)
+    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head = Int8Head(self.model.embed_tokens.weight)
+        else:
+            self.lm_head = Int8Head(nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
+        attn = self.model.layers[0].self_attn
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[KVCache]) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] hidden states before the final norm; writes K/V into kv_caches."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, ctx, kv_cache)
+        return h
+
+    def compute_logits(self, h: torch.Tensor, quant: bool = False) -> torch.Tensor:
+        """[N, hidden] rows to sample -> [N, vocab] float32 logits."""
+        return self.lm_head(self.model.norm(h), quant).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is not None:
+                module_name, shard = fused
+                target = ".".join([*parts[:-2], module_name, parts[-1]])
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                param = params[target]
+                sizes = self._shard_sizes(module_name)
+                offset = sum(sizes[:shard])
+                param.data[offset : offset + sizes[shard]].copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        self._check_loaded(loaded, params)
+
+    def _shard_sizes(self, module_name: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if module_name == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2
+
+    def _check_loaded(self, loaded: set[str], params: dict[str, torch.Tensor]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_name = name.split(".")[-2]
+            if module_name in ("qkv_proj", "gate_up_proj"):
+                shards = range(3 if module_name == "qkv_proj" else 2)
+                missing += [f"{name}#{s}" for s in shards if f"{name}#{s}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

