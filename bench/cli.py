@@ -176,6 +176,9 @@ async def run(args: argparse.Namespace) -> int:
         counter = load_token_counter(tokenizer_dir) if tokenizer_dir else None
         targets, levels = await measure(args, targets, counter)
     print(report.table(levels))
+    server_side = report.server_table(levels)
+    if server_side:
+        print("\n" + server_side)
     plain = (int, float, str, bool, list, type(None))
     config: dict[str, Any] = {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()}
     config["targets"] = [{"name": t.name, "url": t.base_url, "model": t.model, "flavor": t.flavor} for t in targets]

@@ -32,21 +32,44 @@ def _triple(summary: dict[str, Any], scale: float) -> str:
 
 
 def table(levels: list[LevelResult]) -> str:
-    header = ["server", "load", "sent", "ok", "429", "err", "req/s", "out tok/s", "tot tok/s"]
+    header = ["server", "load", "sent", "ok", "429", "err", "in/out tok", "req/s", "out tok/s", "tot tok/s"]
     header += [f"{title} p50/95/99" for _, title, _ in LATENCIES]
     rows = [header]
     for level in levels:
         s = level.summary()
         row = [s["target"], level.shape.label(), str(s["sent"]), str(s["completed"]), str(s["rejected_429"])]
-        row += [str(s["errors"]), _num(s["requests_per_s"]), _num(s["output_tokens_per_s"])]
+        per = max(1, s["completed"])
+        row += [str(s["errors"]), f"{s['prompt_tokens'] / per:.0f}/{s['completion_tokens'] / per:.0f}"]
+        row += [_num(s["requests_per_s"]), _num(s["output_tokens_per_s"])]
         row += [_num(s["total_tokens_per_s"])] + [_triple(s[key], scale) for key, _, scale in LATENCIES]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    notes = [f"{level.target} {level.shape.label()}: {err}" for level in levels for err in level.summary()["error_samples"]]
+    return "\n".join([_format(rows)] + (["", "errors seen:"] + notes if notes else []))
+
+
+def _format(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = [f"{level.target} {level.shape.label()}: {err}" for level in levels for err in level.summary()["error_samples"]]
-    return "\n".join(lines + ([""] + ["errors seen:"] + notes if notes else []))
+    return "\n".join(lines)
+
+
+def server_table(levels: list[LevelResult]) -> str:
+    """Server-side histograms (p50/p99 in ms) for servers with a Prometheus /metrics endpoint."""
+    names = list(dict.fromkeys(name for level in levels for name in level.server_histograms))
+    if not names:
+        return ""
+    short = [name.split("_", 1)[-1].removesuffix("_seconds") for name in names]
+    rows = [["server", "load"] + [f"{s} p50/p99 ms" for s in short]]
+    for level in levels:
+        if level.server_histograms:
+            cells = [level.server_histograms.get(name) for name in names]
+            rows.append([level.target, level.shape.label()] + [
+                "-" if c is None else "/".join(_num(None if c[k] is None else c[k] * 1e3) for k in ("p50", "p99"))
+                for c in cells
+            ])
+    return "server-side, from /metrics (bucket-interpolated):\n" + _format(rows)
 
 
 def to_json(levels: list[LevelResult], config: dict[str, Any]) -> dict[str, Any]:

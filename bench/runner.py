@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from bench import metrics
 from bench.client import RequestOptions, RequestResult, Target, sample_health, send_request
 from bench.stats import rate, summarize
 from bench.workload import RequestSpec
@@ -38,6 +39,7 @@ class LevelResult:
     duration: float
     requests: list[RequestResult]
     health: list[float] = field(default_factory=list)
+    server_histograms: dict[str, dict[str, float | None]] = field(default_factory=dict)  # from /metrics
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.requests if r.outcome == "ok"]
@@ -63,6 +65,7 @@ class LevelResult:
             "itl_s": summarize(gap for r in ok for gap in r.itl),
             "e2e_s": summarize(r.e2e for r in ok if r.e2e is not None),
             "health_s": summarize(self.health),
+            "server_histograms": self.server_histograms,
             "error_samples": sorted({r.error for r in self.requests if r.error and r.status != 429})[:5],
         }
 
@@ -89,6 +92,7 @@ async def run_level(
     health: list[float] = []
     width = int(shape.level) if shape.mode == "closed" else len(specs)
     async with make_client(width, transport) as client, make_client(1, transport) as health_client:
+        before = await metrics.scrape(health_client, target.root)
         sampler = None
         if health_interval:
             sampler = asyncio.create_task(sample_health(health_client, target, health_interval, health))
@@ -113,8 +117,10 @@ async def run_level(
             if sampler is not None:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
+        after = await metrics.scrape(health_client, target.root) if before is not None else None
     results.sort(key=lambda r: r.index)
-    return LevelResult(target.name, shape, end - start, results, health)
+    server = metrics.summarize_histograms(metrics.delta(before, after)) if before and after else {}
+    return LevelResult(target.name, shape, end - start, results, health, server)
 
 
 async def _closed_loop(specs: list[RequestSpec], concurrency: int, one: Callable, deadline: float | None) -> None:

@@ -35,6 +35,10 @@ class Stub:
         path = request.url.path
         if path == "/health":
             return httpx.Response(200, json={"status": "ok"}) if self.health else httpx.Response(404)
+        if path == "/metrics":
+            n = len(self.bodies)  # one observation per request seen
+            text = f'x_seconds_bucket{{le="0.1"}} {n}\nx_seconds_bucket{{le="+Inf"}} {n}\n'
+            return httpx.Response(200, text=text) if self.health else httpx.Response(404)
         body = json.loads(request.content)
         self.bodies.append(body)
         n = next(self.counter)
@@ -83,6 +87,7 @@ def test_every_request_is_accounted_for(shape: LoadShape, endpoint: str) -> None
     assert s["itl_s"]["n"] == sum(workload[r.index].max_tokens - 1 for r in ok)
     assert all(r.admission is not None for r in result.requests)
     assert s["health_s"]["n"] >= 1
+    assert s["server_histograms"]["x_seconds"]["count"] == 20
     assert all(body["stream"] and body["ignore_eos"] and body["model"] == "m" for body in stub.bodies)
 
 
@@ -93,7 +98,7 @@ def test_without_usage_tokens_are_counted_from_events_and_missing_health_records
                                    httpx.MockTransport(stub)))
     assert [r.completion_tokens for r in result.requests] == [3, 3, 3, 3]
     assert not any(r.usage_reported for r in result.requests)
-    assert result.health == []
+    assert result.health == [] and result.server_histograms == {}
     assert "stream_options" not in stub.bodies[0]
 
 

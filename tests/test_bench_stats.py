@@ -42,3 +42,22 @@ def test_bad_percentile_and_rate() -> None:
         percentile([1.0], 101)
     assert rate(10, 2.0) == 5.0
     assert rate(10, 0.0) is None
+
+
+def test_histogram_quantiles_from_two_scrapes() -> None:
+    from bench.metrics import delta, histogram_quantile, parse_histograms, summarize_histograms
+
+    def exposition(counts: tuple[int, int, int, int]) -> str:
+        les = ("0.001", "0.01", "0.1", "+Inf")
+        lines = ["# TYPE x_seconds histogram"] + [f'x_seconds_bucket{{le="{le}"}} {c}.0' for le, c in zip(les, counts)]
+        return "\n".join(lines + [f"x_seconds_count {counts[-1]}.0", "other_total 3.0"])
+
+    before = parse_histograms(exposition((1, 1, 1, 1)))
+    after = parse_histograms(exposition((5, 9, 11, 11)))  # 10 new: 4 <= 1 ms, 4 in (1, 10] ms, 2 in (10, 100] ms
+    buckets = delta(before, after)["x_seconds"]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.001 + 0.009 * 1 / 4)  # rank 5: 1 into the 2nd bucket
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.01 + 0.09 * 1.9 / 2)  # rank 9.9
+    assert histogram_quantile(0.2, buckets) == pytest.approx(0.001 * 2 / 4)
+    assert histogram_quantile(1.0, {0.1: 1.0, float("inf"): 2.0}) == 0.1  # in +Inf: the top finite bound
+    assert histogram_quantile(0.5, {float("inf"): 0.0}) is None
+    assert summarize_histograms(buckets and {"x_seconds": buckets})["x_seconds"]["count"] == 10
