@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -153,6 +154,10 @@ async def _run_with_progress(args: argparse.Namespace, target: Target, specs: li
             bar.set_postfix(counts, refresh=False)
         bar.update()
 
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores:
+        print(f"bench: load average {os.getloadavg()[0]:.1f} on {cores} cores before {target.name} {shape.label()}: "
+              "other work is running and will skew the figures", file=sys.stderr)
     try:
         return await run_level(target, specs, shape, options, args.health_interval or None, on_done)
     finally:

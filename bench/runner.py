@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ class LevelResult:
     requests: list[RequestResult]
     health: list[float] = field(default_factory=list)
     server_histograms: dict[str, dict[str, float | None]] = field(default_factory=dict)  # from /metrics
+    loadavg: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after: others' work skews results
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.requests if r.outcome == "ok"]
@@ -66,6 +68,7 @@ class LevelResult:
             "e2e_s": summarize(r.e2e for r in ok if r.e2e is not None),
             "health_s": summarize(self.health),
             "server_histograms": self.server_histograms,
+            "loadavg_before_after": self.loadavg,
             "error_samples": sorted({r.error for r in self.requests if r.error and r.status != 429})[:5],
         }
 
@@ -92,6 +95,7 @@ async def run_level(
     health: list[float] = []
     width = int(shape.level) if shape.mode == "closed" else len(specs)
     async with make_client(width, transport) as client, make_client(1, transport) as health_client:
+        load_before = os.getloadavg()[0]
         before = await metrics.scrape(health_client, target.root)
         sampler = None
         if health_interval:
@@ -120,7 +124,8 @@ async def run_level(
         after = await metrics.scrape(health_client, target.root) if before is not None else None
     results.sort(key=lambda r: r.index)
     server = metrics.summarize_histograms(metrics.delta(before, after)) if before and after else {}
-    return LevelResult(target.name, shape, end - start, results, health, server)
+    loadavg = (load_before, os.getloadavg()[0])
+    return LevelResult(target.name, shape, end - start, results, health, server, loadavg)
 
 
 async def _closed_loop(specs: list[RequestSpec], concurrency: int, one: Callable, deadline: float | None) -> None:
