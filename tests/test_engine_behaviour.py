@@ -1,5 +1,7 @@
 """The step API and the offline API: sampling, UTF-8, stop strings, aborts, bad input, block accounting."""
 
+import re
+
 import pytest
 from engine_helpers import assert_pool_full, make_llm
 
@@ -98,19 +100,21 @@ def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm)
         ([1, 2, 10**6], SamplingParams(), "outside the vocabulary"),
         ([1, -3], SamplingParams(), "outside the vocabulary"),
         ("x " * 600, SamplingParams(max_tokens=4), "max_model_len"),
-        ("hello", SamplingParams(max_tokens=500), "max_tokens (500)"),
+        ("hello", SamplingParams(max_tokens=600), "max_tokens (600)"),
     ],
 )
 def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message):
     engine = llm.engine
     engine.add_request("bystander", "Hello world", SamplingParams(max_tokens=6, ignore_eos=True))
     before = (engine.num_waiting, engine.num_running, engine.num_free_blocks)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        engine.add_request("bad", prompt, params)
-    assert (engine.num_waiting, engine.num_running, engine.num_free_blocks) == before
-    assert "bad" not in engine.requests
-    while engine.has_unfinished_requests:
-        engine.step()
+    try:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.add_request("bad", prompt, params)
+        assert (engine.num_waiting, engine.num_running, engine.num_free_blocks) == before
+        assert "bad" not in engine.requests
+    finally:
+        while engine.has_unfinished_requests:
+            engine.step()
 
 
 @pytest.mark.parametrize(
@@ -205,7 +209,9 @@ def test_utf8_deltas_are_well_formed_and_concatenate(default_llm, messages):
     deltas, ids, final = run_deltas(engine, "utf8", prompt, params)
     for d in deltas:
         d.encode("utf-8")
-        assert "\ufffd" not in d
+    # Only a character cut off by max_tokens may end as U+FFFD, in the final flush (as a full decode has it).
+    assert all("\ufffd" not in d for d in deltas[:-1])
+    assert "\ufffd" not in deltas[-1] or final.finish_reason == "length"
     text = "".join(deltas)
     assert text == default_llm.tokenizer.decode(ids, skip_special_tokens=True)
     assert final.finish_reason in ("stop", "length")

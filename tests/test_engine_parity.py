@@ -62,7 +62,7 @@ def test_prefix_cache_hits(model_dir, expected):
 
 
 def test_preemption_under_a_tiny_kv_pool(model_dir, expected):
-    llm = make_llm(model_dir, num_kv_blocks=24, block_size=4, max_num_seqs=8)
+    llm = make_llm(model_dir, num_kv_blocks=36, block_size=4, max_num_seqs=8)
     check(llm, expected)
     assert llm.engine.num_preemptions > 0
 
