@@ -17,8 +17,9 @@ from engine.models.loader import LoadedModel
 
 SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 
-# Weight-only quantised kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
+# Weight-only int4 kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
 QUANT_MAX_TOKENS = 16
+QUANT_MAX_LOGITS_ROWS = 8  # the lm_head (vocab x hidden) has its own crossover
 
 
 class ModelRunner:
@@ -34,12 +35,14 @@ class ModelRunner:
 
             sampler = Sampler(vocab_size=min(len(loaded.tokenizer), loaded.vocab_size))
         self.sampler = sampler
-        shape = (config.num_kv_blocks, config.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.num_kv_heads = self.model.num_kv_heads
+        shape = (self.num_kv_heads, config.num_kv_blocks, config.block_size, self.model.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(self.model.num_layers)
         ]
         self.quant_max_tokens = QUANT_MAX_TOKENS if config.quantize == "auto" else 0
+        self.quant_max_logits_rows = QUANT_MAX_LOGITS_ROWS if config.quantize == "auto" else 0
 
     def run(self, batch: StepBatch) -> list[SampledToken]:
         """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order."""
@@ -49,7 +52,7 @@ class ModelRunner:
             if not sample_index:
                 return []
             rows = hidden[torch.tensor(sample_index)]
-            logits = self.model.compute_logits(rows, len(sample_index) <= self.quant_max_tokens)
+            logits = self.model.compute_logits(rows, len(sample_index) <= self.quant_max_logits_rows)
             return self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
 
     def warmup(self) -> None:
@@ -65,7 +68,7 @@ class ModelRunner:
             for batch in (StepBatch([prefill]), StepBatch([decode])):
                 input_ids, ctx, _ = self._prepare(batch)
                 hidden = self.model(input_ids, ctx, self.kv_caches)
-                self.model.compute_logits(hidden[-1:], batch.num_tokens <= self.quant_max_tokens)
+                self.model.compute_logits(hidden[-1:], True)
 
     def _slots(self, chunk: SeqChunk, start: int, end: int) -> list[int]:
         bs, table = self.block_size, chunk.block_table
@@ -86,18 +89,20 @@ class ModelRunner:
             positions.append(c.start_pos)
             slots += self._slots(c, c.start_pos, c.start_pos + 1)
 
-        decode_block_tables = decode_mask = None
+        decode_blocks = decode_mask = None
         if decodes:
             bs = self.block_size
             num_blocks = [(c.start_pos + bs) // bs for c in decodes]  # blocks covering [0, start_pos]
             width = max(num_blocks)
-            decode_block_tables = torch.tensor(
-                [c.block_table[:nb] + [0] * (width - nb) for c, nb in zip(decodes, num_blocks)], dtype=torch.int64
-            )
+            blocks: list[int] = []
+            for c, nb in zip(decodes, num_blocks):
+                blocks += c.block_table[:nb]
+                blocks += [0] * (width - nb)
+            decode_blocks = torch.tensor(blocks, dtype=torch.int64)
             kv_lens = torch.tensor([c.start_pos + 1 for c in decodes])
-            visible = torch.arange(width * bs)[None, :] < kv_lens[:, None]
-            decode_mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-            decode_mask = decode_mask[:, None, None, :]
+            visible = torch.arange(width * bs)[None, :] < kv_lens[:, None]  # [B, L]
+            mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+            decode_mask = mask.repeat(self.num_kv_heads, 1)[:, None, :]  # rows ordered (kv head, sequence)
 
         spans: list[PrefillSpan] = []
         for c in prefills:
@@ -118,7 +123,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decode=len(decodes),
-            decode_block_tables=decode_block_tables,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=spans,
             use_quant=len(input_ids) <= self.quant_max_tokens,

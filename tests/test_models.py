@@ -45,9 +45,9 @@ def full_forward(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     model, n = loaded.model, len(ids)
     ctx = StepContext(
         positions=torch.arange(n), slot_mapping=torch.arange(n), num_decode=0,
-        decode_block_tables=None, decode_mask=None, prefills=[PrefillSpan(0, n, 0, kv_slots=None, mask=None)],
+        decode_blocks=None, decode_mask=None, prefills=[PrefillSpan(0, n, 0, kv_slots=None, mask=None)],
     )  # fmt: skip
-    shape = (n, 1, model.num_kv_heads, model.head_dim)
+    shape = (model.num_kv_heads, n, 1, model.head_dim)
     caches = [(torch.zeros(shape, dtype=loaded.dtype), torch.zeros(shape, dtype=loaded.dtype))] * model.num_layers
     with torch.inference_mode():
         return model.compute_logits(model(ids, ctx, caches))

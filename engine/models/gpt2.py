@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Int8Head, Linear, StepContext, paged_attention
+from engine.models.layers import Linear, StepContext, paged_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,9 +35,9 @@ class GPT2Attention(nn.Module):
             self.scale /= layer_idx + 1
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
-        q, k, v = self.c_attn(x, ctx.use_quant).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = self.c_attn(x, ctx.use_quant).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale)
-        return self.c_proj(o.flatten(1), ctx.use_quant)
+        return self.c_proj(o, ctx.use_quant)
 
 
 class GPT2MLP(nn.Module):
@@ -83,7 +83,8 @@ class GPT2LMHeadModel(nn.Module):
             raise ValueError(f"unsupported GPT-2 activation {cfg.activation_function!r}")
         self.config = cfg
         self.transformer = GPT2Model(cfg)
-        self.lm_head = Int8Head(self.transformer.wte.weight)  # GPT-2 always ties the head to wte
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size)
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties the head to wte
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[KVCache]) -> torch.Tensor:

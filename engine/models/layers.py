@@ -34,20 +34,22 @@ class StepContext:
     """Tensors describing one step, built once by the runner and read by every layer.
 
     Token rows are ordered decodes first (one token each, rows [0, num_decode)), then prefill spans.
+    The KV cache of a layer is [KVH, num_blocks, block_size, D]: head-major, so that gathering the blocks
+    of a batch of sequences yields [KVH, B, L, D] ready for batched matmuls without a transposing copy.
     """
 
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [B, nblk] int64, padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, nblk * block_size] additive: 0 where the key exists, -inf beyond
+    decode_blocks: torch.Tensor | None  # [B * nblk] int64: each decode row's blocks, padded with block 0
+    decode_mask: torch.Tensor | None  # [KVH * B, 1, nblk * block_size] additive: 0 where the key exists, else -inf
     prefills: list[PrefillSpan] = field(default_factory=list)
     use_quant: bool = False  # route linears through the weight-only quantised kernels
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per rotary module
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with an optional weight-only int4 copy used when the step asks for it (small M)."""
+    """y = x W^T + b, with an optional weight-only quantised copy used when the step asks for it (small M)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -55,8 +57,9 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.qweight: torch.Tensor | None = None  # packed int4, see quantize_int4
-        self.qscales: torch.Tensor | None = None  # [K / group, N, 2] scale and zero
+        self.qbits = 0  # 0: no quantised copy; 4 or 8
+        self.qweight: torch.Tensor | None = None
+        self.qscales: torch.Tensor | None = None
 
     def quantize_int4(self, dtype: torch.dtype) -> None:
         """Asymmetric min/max 4-bit groups along K; for Q4_1 GGUF weights this reproduces the file's grid."""
@@ -71,34 +74,25 @@ class Linear(nn.Module):
         self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel dequantises as (q - 8) * scale + zero
         zero = lo + 8 * scale
-        self.qscales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(dtype)
-
-    def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
-        if quant and self.qweight is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.qscales)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
-
-
-class Int8Head(nn.Module):
-    """The vocabulary projection with an optional per-row int8 copy for small batches."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
-        self.qweight: torch.Tensor | None = None
-        self.qscales: torch.Tensor | None = None
+        self.qscales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(dtype)  # [K / group, N, 2]
+        self.qbits = 4
 
     def quantize_int8(self, dtype: torch.dtype) -> None:
+        """Symmetric per-row int8."""
         w = self.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
-        self.qweight = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8).contiguous()
+        self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.qscales = scale.to(dtype)
+        self.qbits = 8
 
     def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
-        if quant and self.qweight is not None:
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscales)
-        return F.linear(x, self.weight)
+        if not quant or not self.qbits:
+            return F.linear(x, self.weight, self.bias)
+        if self.qbits == 4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.qscales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscales)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -186,66 +180,59 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq, scale = rope_inv_freq(hf_config, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        self.half = head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of slices, a negation and a cat
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
-    def cos_sin(self, ctx: StepContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # computed once per step and shared by all layers: [T, 1, head_dim]
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """x: [T, heads, head_dim] at ctx.positions."""
         cached = ctx.rope_cache.get(id(self))
-        if cached is None:
-            cached = (self.cos[ctx.positions].to(dtype)[:, None], self.sin[ctx.positions].to(dtype)[:, None])
+        if cached is None:  # once per step, shared by all layers: [T, 1, head_dim]
+            cached = (self.cos[ctx.positions][:, None].to(x.dtype), self.sin[ctx.positions][:, None].to(x.dtype))
             ctx.rope_cache[id(self)] = cached
-        return cached
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        cos, sin = cached
+        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    k_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
     v_cache: torch.Tensor,
     ctx: StepContext,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend causally over each sequence's whole history."""
-    num_tokens, num_heads, head_dim = q.shape
+    """Write this step's K/V into the cache, then attend causally over each sequence's history: [T, H * D]."""
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, ctx.slot_mapping, k)
-    v_flat.index_copy_(0, ctx.slot_mapping, v)
-    out = torch.empty_like(q)
+    k_flat = k_cache.view(num_kv_heads, -1, head_dim)
+    v_flat = v_cache.view(num_kv_heads, -1, head_dim)
+    k_flat.index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
+    v_flat.index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
+    parts = []
 
     nd = ctx.num_decode
     if nd:
-        # gather whole blocks per sequence: [B, nblk, block_size, KVH, D] -> [B, KVH, L, D]
-        bt = ctx.decode_block_tables
-        keys = k_cache[bt].flatten(1, 2).permute(0, 2, 3, 1)  # [B, KVH, D, L]
-        values = v_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        scores = torch.matmul(qd, keys) * scale + ctx.decode_mask  # [B, KVH, G, L]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:nd] = torch.matmul(probs, values).view(nd, num_heads, head_dim)
+        # hand-written: bf16 SDPA is several times slower for one query per sequence
+        keys = k_cache.index_select(1, ctx.decode_blocks).view(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
+        values = v_cache.index_select(1, ctx.decode_blocks).view(num_kv_heads * nd, -1, head_dim)
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
+        scores = torch.baddbmm(ctx.decode_mask, qd, keys.transpose(1, 2), alpha=scale)  # [KVH*B, G, L]
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KVH*B, G, D]
+        parts.append(out.view(num_kv_heads, nd, group * head_dim).transpose(0, 1).reshape(nd, -1))
 
     for span in ctx.prefills:
         qs = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
         if span.kv_slots is None:
-            ks, vs = k[span.start : span.end], v[span.start : span.end]
-            mask, causal = None, True
+            ks, vs = k[span.start : span.end].transpose(0, 1), v[span.start : span.end].transpose(0, 1)
         else:
-            ks, vs = k_flat[span.kv_slots], v_flat[span.kv_slots]
-            mask, causal = span.mask, False
+            ks, vs = k_flat.index_select(1, span.kv_slots), v_flat.index_select(1, span.kv_slots)
         o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=group > 1,
+            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=group > 1
         )
-        out[span.start : span.end] = o.transpose(0, 1)
-    return out
+        parts.append(o.transpose(0, 1).reshape(span.end - span.start, -1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Int8Head, Linear, RMSNorm, Rotary, StepContext, paged_attention
+from engine.models.layers import Linear, RMSNorm, Rotary, StepContext, paged_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -33,15 +33,12 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
-        qkv = self.qkv_proj(x, ctx.use_quant)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(ctx, x.dtype)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        qkv = self.qkv_proj(x, ctx.use_quant).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], ctx)  # one rotation for q and k
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale)
-        return self.o_proj(o.view(-1, self.q_size), ctx.use_quant)
+        return self.o_proj(o, ctx.use_quant)
 
 
 class LlamaMLP(nn.Module):
@@ -90,10 +87,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
-            self.lm_head = Int8Head(self.model.embed_tokens.weight)
-        else:
-            self.lm_head = Int8Head(nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
+            self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
 

@@ -185,11 +185,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def quantize_model(model: nn.Module, dtype: torch.dtype) -> None:
-    """Add weight-only quantised copies (int4 linears, int8 head) next to the dense weights, for small batches."""
-    from engine.models.layers import Int8Head, Linear
+    """Add weight-only quantised copies next to the dense weights, for small batches: int4 for the layers,
+    int8 for the lm_head (a 4-bit head changes greedy tokens; GGUF files keep it at 8 bits or more too)."""
+    from engine.models.layers import Linear
 
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.quantize_int4(dtype)
-        elif isinstance(module, Int8Head):
+    for name, module in model.named_modules():
+        if name == "lm_head":
             module.quantize_int8(dtype)
+        elif isinstance(module, Linear):
+            module.quantize_int4(dtype)
