@@ -118,6 +118,10 @@ def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[list[serv
 
 async def prepare_target(target: Target, specs: list, options: RequestOptions, warmup: int) -> Target:
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout)) as client:
+        try:
+            await client.get(target.root + "/v1/models")
+        except httpx.HTTPError as exc:
+            raise SystemExit(f"bench: cannot reach {target.name} at {target.root}: {exc or type(exc).__name__}") from None
         if target.model is None:
             target = Target(target.name, target.base_url, await discover_model(client, target), target.flavor)
         for spec in specs[:warmup]:

@@ -107,6 +107,7 @@ def plot(path: str | Path, levels: list[LevelResult]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, ScalarFormatter
 
     targets = list(dict.fromkeys(level.target for level in levels))
     colors = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(targets)}
@@ -122,6 +123,10 @@ def plot(path: str | Path, levels: list[LevelResult]) -> None:
             ax.step(data, fraction, where="post", color=colors[level.target], alpha=shade,
                     label=f"{level.target} {level.shape.label()}")
         ax.set_xscale("log")
+        # 1-2-5 labels: decade-only labels leave a narrow range unlabelled, all minor labels overlap
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{title} (CDF)")
         ax.set_ylabel("fraction of samples")
         ax.grid(True, which="both", alpha=0.3)
@@ -134,6 +139,10 @@ def plot(path: str | Path, levels: list[LevelResult]) -> None:
     ax.set_xlabel({"closed": "concurrent streams", "rate": "arrival rate (req/s)"}.get(mode, "burst size"))
     if len(loads) > 1:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(loads)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput")
     ax.grid(True, alpha=0.3)
