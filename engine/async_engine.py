@@ -8,6 +8,7 @@ submit() and abort() never wait on the engine.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import math
 import time
@@ -222,6 +223,9 @@ class AsyncEngine:
         except BaseException:
             self._state = EngineState.DEAD
             raise
+        # The model, tokenizer and libraries loaded by now live as long as the process: moving them out of
+        # the collector's reach cuts full collections from hundreds of ms (event-loop stalls) to a few.
+        gc.freeze()
         if self._state is EngineState.LOADING:
             self._state = EngineState.READY
         task_status.started()

@@ -96,6 +96,16 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ThreadedServer, h
     assert http.post("/v1/completions", json=SHORT).json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_non_streaming_client_that_leaves_is_aborted(server: ThreadedServer, http: httpx.Client) -> None:
+    aborted_before = metric(server.base_url, "sluice_requests_aborted_total")
+    with wrapped_execute(server.engine, slowed(0.005)):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=0.3)
+        wait_until(lambda: metric(server.base_url, "sluice_requests_aborted_total") == aborted_before + 1, timeout=10)
+        wait_until(lambda: engine_idle(server.base_url), timeout=10)
+    assert http.post("/v1/completions", json=SHORT).json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_disconnect_while_queued_is_dropped(server: ThreadedServer, http: httpx.Client) -> None:
     aborted_before = metric(server.base_url, "sluice_requests_aborted_total")
     with wrapped_execute(server.engine, slowed(0.01)), ThreadPoolExecutor(4) as pool:
@@ -216,7 +226,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> Non
         first_events = [threading.Event() for _ in range(6)]
 
         def stream(i: int) -> list[Any]:
-            body = {**LONG, "prompt": f"stream {i}", "max_tokens": 20 if i < 2 else 480, "stream": True}
+            body = {**LONG, "prompt": f"stream {i}", "max_tokens": 5 if i < 2 else 480, "stream": True}
             with http.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 lines = response.iter_lines()

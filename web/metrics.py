@@ -24,7 +24,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.admission = Histogram(
-            "sluice_admission_seconds", "Handler entry to the enqueue or 429 decision", buckets=ADMISSION_BUCKETS, registry=r
+            "sluice_admission_seconds", "Request body received to the enqueue or 429 decision", buckets=ADMISSION_BUCKETS, registry=r
+        )
+        self.body_wait = Histogram(
+            "sluice_body_wait_seconds", "Handler entry to the whole request body received", buckets=ADMISSION_BUCKETS, registry=r
         )
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, registry=r)

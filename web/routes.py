@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from quart import Blueprint, Response, request
+import anyio
+from quart import Blueprint, Response, current_app, request
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import EngineState, EngineUnavailable, QueueFull, RequestStream
@@ -25,9 +26,9 @@ blueprint = Blueprint("openai", __name__)
 
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
-    entry = time.perf_counter()
     s = services()
-    body = parse_request(ChatCompletionRequest, await read_json_body())
+    data, entry = await receive_body(s)
+    body = parse_request(ChatCompletionRequest, parse_json(data))
     model = s.check_model(body.model)
     messages = [m.as_template_dict() for m in body.messages]
     prompt = tokenize(lambda: s.engine.encode_chat(messages), param="messages")
@@ -37,9 +38,9 @@ async def chat_completions() -> Response:
 
 @blueprint.post("/v1/completions")
 async def completions() -> Response:
-    entry = time.perf_counter()
     s = services()
-    body = parse_request(CompletionRequest, await read_json_body())
+    data, entry = await receive_body(s)
+    body = parse_request(CompletionRequest, parse_json(data))
     model = s.check_model(body.model)
     prompt_input = body.single_prompt()
     prompt = tokenize(lambda: s.engine.encode_prompt(prompt_input), param="prompt")
@@ -76,11 +77,26 @@ async def metrics() -> Response:
     return Response(s.metrics.render(s.engine.stats()), content_type=CONTENT_TYPE_LATEST)
 
 
-async def read_json_body() -> Any:
+async def receive_body(s: Services) -> tuple[bytes, float]:
+    """The whole body (network I/O, measured apart) and the start of admission: from then to the enqueue
+    or 429 decision nothing awaits."""
+    handler_entry = time.perf_counter()
     if request.mimetype != "application/json":
         raise APIError(415, f"the request body must be application/json, not {request.mimetype or 'absent'!r}",
                        code="unsupported_media_type")  # fmt: skip
-    data = await request.get_data(cache=False)
+    # Awaiting the body itself does not yield when it has already arrived, unlike request.get_data(),
+    # whose asyncio.wait_for always does.
+    try:
+        with anyio.fail_after(current_app.config["BODY_TIMEOUT"]):
+            data = await request.body
+    except TimeoutError:
+        raise APIError(408, "the request body did not arrive in time", code="request_timeout") from None
+    admission_start = time.perf_counter()
+    s.metrics.body_wait.observe(admission_start - handler_entry)
+    return data, admission_start
+
+
+def parse_json(data: bytes) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as error:
