@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -117,13 +118,16 @@ def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[list[serv
 
 
 async def prepare_target(target: Target, specs: list, options: RequestOptions, warmup: int) -> Target:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout)) as client:
+    # A client of its own for the probes: a server that answers /v1/models with a 500 (transformers serve
+    # without a hub cache) closes that connection, and a warm-up request reusing it would fail.
+    async with httpx.AsyncClient(timeout=30.0) as probe:
         try:
-            await client.get(target.root + "/v1/models")
+            await probe.get(target.root + "/v1/models")
         except httpx.HTTPError as exc:
             raise SystemExit(f"bench: cannot reach {target.name} at {target.root}: {exc or type(exc).__name__}") from None
         if target.model is None:
-            target = Target(target.name, target.base_url, await discover_model(client, target), target.flavor)
+            target = Target(target.name, target.base_url, await discover_model(probe, target), target.flavor)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout)) as client:
         for spec in specs[:warmup]:
             result = await send_request(client, target, spec, options, 0.0)
             if result.error:
@@ -169,6 +173,11 @@ async def _run_with_progress(args: argparse.Namespace, target: Target, specs: li
 
 
 async def run(args: argparse.Namespace) -> int:
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then installs no handler.
+    # Cancelling the main task unwinds through the ExitStack, which stops the servers we started.
+    loop, main_task = asyncio.get_running_loop(), asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main_task.cancel)
     with ExitStack() as stack:
         targets: list[Target] = []
         hf_dir = None
@@ -203,5 +212,6 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(run(parse_args(argv)))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("bench: interrupted", file=sys.stderr)
         return 130
