@@ -140,6 +140,10 @@ async def measure(
 ) -> tuple[list[Target], list[LevelResult]]:
     options = RequestOptions(args.endpoint, args.temperature, args.ignore_eos, args.include_usage, args.timeout)
     warm = build_workload(args.warmup, args.prompt_tokens, LengthDist("fixed", 16), args.seed + 7919, counter=counter)
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores:
+        print(f"bench: load average {os.getloadavg()[0]:.1f} on {cores} cores: other work is running and will skew "
+              "the figures (each level's load average is in the JSON)", file=sys.stderr)
     targets = [await prepare_target(t, warm, options, args.warmup) for t in targets]
     levels = []
     for shape in load_shapes(args):
@@ -162,10 +166,6 @@ async def _run_with_progress(args: argparse.Namespace, target: Target, specs: li
             bar.set_postfix(counts, refresh=False)
         bar.update()
 
-    cores = os.cpu_count() or 1
-    if os.getloadavg()[0] > cores:
-        print(f"bench: load average {os.getloadavg()[0]:.1f} on {cores} cores before {target.name} {shape.label()}: "
-              "other work is running and will skew the figures", file=sys.stderr)
     try:
         return await run_level(target, specs, shape, options, args.health_interval or None, on_done)
     finally:
