@@ -7,12 +7,13 @@ which blocks a sequence uses is the block manager's business (slot = block_id * 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
 from engine.config import EngineConfig
-from engine.models.layers import PrefillSpan, StepContext
+from engine.models.layers import LayerCache, PrefillSpan, StepContext
 from engine.models.loader import LoadedModel
 
 SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
@@ -20,6 +21,17 @@ SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 # Weight-only int4 kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
 QUANT_MAX_TOKENS = 16
 QUANT_MAX_LOGITS_ROWS = 8  # the lm_head (vocab x hidden) has its own crossover
+# Extra blocks of room in a rebuilt decode stage: it is re-gathered when a sequence outgrows it.
+STAGE_SLACK_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class _StageState:
+    """Which decode batch the layers' stage tensors hold: reusable if the same sequences decode next step."""
+
+    seq_ids: tuple[int, ...]
+    next_positions: tuple[int, ...]
+    length: int
 
 
 class ModelRunner:
@@ -38,17 +50,20 @@ class ModelRunner:
         self.num_kv_heads = self.model.num_kv_heads
         shape = (self.num_kv_heads, config.num_kv_blocks, config.block_size, self.model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            LayerCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
             for _ in range(self.model.num_layers)
         ]
+        self._stage: _StageState | None = None
         self.quant_max_tokens = QUANT_MAX_TOKENS if config.quantize == "auto" else 0
         self.quant_max_logits_rows = QUANT_MAX_LOGITS_ROWS if config.quantize == "auto" else 0
 
     def run(self, batch: StepBatch) -> list[SampledToken]:
         """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order."""
         with torch.inference_mode():
-            input_ids, ctx, sample_index = self._prepare(batch)
+            input_ids, ctx, sample_index, stage = self._prepare(batch)
+            self._stage = None  # until this forward pass has filled the stage
             hidden = self.model(input_ids, ctx, self.kv_caches)
+            self._stage = stage
             if not sample_index:
                 return []
             rows = hidden[torch.tensor(sample_index)]
@@ -66,15 +81,17 @@ class ModelRunner:
         decode = SeqChunk(seq_id=-1, token_ids=[0], start_pos=n, block_table=blocks, sampling=None)
         with torch.inference_mode():
             for batch in (StepBatch([prefill]), StepBatch([decode])):
-                input_ids, ctx, _ = self._prepare(batch)
+                self._stage = None
+                input_ids, ctx, _, _ = self._prepare(batch)
                 hidden = self.model(input_ids, ctx, self.kv_caches)
                 self.model.compute_logits(hidden[-1:], True)
+        self._stage = None
 
     def _slots(self, chunk: SeqChunk, start: int, end: int) -> list[int]:
         bs, table = self.block_size, chunk.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, StepContext, list[int]]:
+    def _prepare(self, batch: StepBatch) -> tuple[torch.Tensor, StepContext, list[int], _StageState | None]:
         """Flatten the batch, decodes first, and build every index / mask tensor the layers share."""
         decodes = [c for c in batch.chunks if c.num_tokens == 1]
         prefills = [c for c in batch.chunks if c.num_tokens > 1]
@@ -89,20 +106,29 @@ class ModelRunner:
             positions.append(c.start_pos)
             slots += self._slots(c, c.start_pos, c.start_pos + 1)
 
-        decode_blocks = decode_mask = None
+        decode_gather = decode_mask = decode_rows = stage = None
         if decodes:
             bs = self.block_size
-            num_blocks = [(c.start_pos + bs) // bs for c in decodes]  # blocks covering [0, start_pos]
-            width = max(num_blocks)
-            blocks: list[int] = []
-            for c, nb in zip(decodes, num_blocks):
-                blocks += c.block_table[:nb]
-                blocks += [0] * (width - nb)
-            decode_blocks = torch.tensor(blocks, dtype=torch.int64)
-            kv_lens = torch.tensor([c.start_pos + 1 for c in decodes])
-            visible = torch.arange(width * bs)[None, :] < kv_lens[:, None]  # [B, L]
+            seq_ids = tuple(c.seq_id for c in decodes)
+            starts = tuple(c.start_pos for c in decodes)
+            old = self._stage
+            if old is not None and old.seq_ids == seq_ids and old.next_positions == starts and max(starts) < old.length:
+                length = old.length  # the same sequences, one position on: append to the stage
+            else:
+                num_blocks = [p // bs + 1 for p in starts]  # blocks covering [0, start_pos]
+                width = max(num_blocks) + STAGE_SLACK_BLOCKS
+                blocks: list[int] = []
+                for c, nb in zip(decodes, num_blocks):
+                    blocks += c.block_table[:nb]
+                    blocks += [0] * (width - nb)
+                decode_gather = torch.tensor(blocks, dtype=torch.int64)
+                length = width * bs
+            stage = _StageState(seq_ids, tuple(p + 1 for p in starts), length)
+            kv_lens = torch.tensor(starts) + 1
+            visible = torch.arange(length)[None, :] < kv_lens[:, None]  # [B, L]
             mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
             decode_mask = mask.repeat(self.num_kv_heads, 1)[:, None, :]  # rows ordered (kv head, sequence)
+            decode_rows = torch.arange(len(decodes))
 
         spans: list[PrefillSpan] = []
         for c in prefills:
@@ -123,10 +149,11 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decode=len(decodes),
-            decode_blocks=decode_blocks,
+            decode_gather=decode_gather,
             decode_mask=decode_mask,
+            decode_rows=decode_rows,
             prefills=spans,
             use_quant=len(input_ids) <= self.quant_max_tokens,
         )
         sample_index = [last_row[id(c)] for c in batch.chunks if c.sampling is not None]
-        return torch.tensor(input_ids, dtype=torch.int64), ctx, sample_index
+        return torch.tensor(input_ids, dtype=torch.int64), ctx, sample_index, stage

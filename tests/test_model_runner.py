@@ -92,9 +92,13 @@ def test_paged_chunked_prefill_and_decode_match_full_forward(kind: str, tiny_lla
     d = new_seq(3, prompts[0][:8] + [rng.randrange(vocab) for _ in range(9)], shared=a.blocks[:2])
     d.num_computed = 2 * BLOCK_SIZE
     record(run_step(runner, [(c, 99), (d, 99), (a, 1), (b, 1)]))
-    for _ in range(6):
+    # the same decode batch for several steps (the runner appends to its stage, and re-gathers when a sequence
+    # outgrows it), then a different one
+    for _ in range(12):
         record(run_step(runner, [(s, 1) for s in (a, b, c, d)]))
-    assert len(checked) == 2 + 2 + 3 + 24
+    for _ in range(2):
+        record(run_step(runner, [(s, 1) for s in (d, b, a)]))
+    assert len(checked) == 2 + 2 + 3 + 48 + 6
 
     for prefix, index in checked:
         with torch.inference_mode():

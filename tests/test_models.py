@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.layers import PrefillSpan, StepContext
+from engine.models.layers import LayerCache, PrefillSpan, StepContext
 from engine.models.loader import LoadedModel, load_model, resolve_model_dir
 
 
@@ -45,10 +45,10 @@ def full_forward(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     model, n = loaded.model, len(ids)
     ctx = StepContext(
         positions=torch.arange(n), slot_mapping=torch.arange(n), num_decode=0,
-        decode_blocks=None, decode_mask=None, prefills=[PrefillSpan(0, n, 0, kv_slots=None, mask=None)],
+        decode_gather=None, decode_mask=None, prefills=[PrefillSpan(0, n, 0, kv_slots=None, mask=None)],
     )  # fmt: skip
     shape = (model.num_kv_heads, n, 1, model.head_dim)
-    caches = [(torch.zeros(shape, dtype=loaded.dtype), torch.zeros(shape, dtype=loaded.dtype))] * model.num_layers
+    caches = [LayerCache(torch.zeros(shape, dtype=loaded.dtype), torch.zeros(shape, dtype=loaded.dtype))] * model.num_layers
     with torch.inference_mode():
         return model.compute_logits(model(ids, ctx, caches))
 

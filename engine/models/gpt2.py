@@ -12,10 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Linear, StepContext, paged_attention
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
+from engine.models.layers import LayerCache, Linear, StepContext, paged_attention
 
 def _layer_norm(cfg: Any) -> nn.LayerNorm:
     norm = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
@@ -34,9 +31,9 @@ class GPT2Attention(nn.Module):
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             self.scale /= layer_idx + 1
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: LayerCache) -> torch.Tensor:
         q, k, v = self.c_attn(x, ctx.use_quant).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale)
+        o = paged_attention(q, k, v, kv_cache, ctx, self.scale)
         return self.c_proj(o, ctx.use_quant)
 
 
@@ -59,7 +56,7 @@ class GPT2Block(nn.Module):
         self.ln_2 = _layer_norm(cfg)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: LayerCache) -> torch.Tensor:
         h = h + self.attn(self.ln_1(h), ctx, kv_cache)
         return h + self.mlp(self.ln_2(h), ctx)
 
@@ -87,7 +84,7 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties the head to wte
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
 
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[LayerCache]) -> torch.Tensor:
         """[T] token ids -> [T, hidden] hidden states before the final norm; writes K/V into kv_caches."""
         h = self.transformer.wte(input_ids) + self.transformer.wpe(ctx.positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches):

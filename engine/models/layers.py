@@ -34,18 +34,35 @@ class StepContext:
     """Tensors describing one step, built once by the runner and read by every layer.
 
     Token rows are ordered decodes first (one token each, rows [0, num_decode)), then prefill spans.
-    The KV cache of a layer is [KVH, num_blocks, block_size, D]: head-major, so that gathering the blocks
-    of a batch of sequences yields [KVH, B, L, D] ready for batched matmuls without a transposing copy.
     """
 
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
     num_decode: int
-    decode_blocks: torch.Tensor | None  # [B * nblk] int64: each decode row's blocks, padded with block 0
-    decode_mask: torch.Tensor | None  # [KVH * B, 1, nblk * block_size] additive: 0 where the key exists, else -inf
+    # decode rows attend over LayerCache.k_stage / v_stage. When decode_gather is set the stage is rebuilt from
+    # the paged cache (blocks [B * nblk], each row's blocks padded with block 0); otherwise the same sequences
+    # decoded last step and only this step's K/V is appended at (row, position).
+    decode_gather: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [KVH * B, 1, stage length] additive: 0 where the key exists, else -inf
+    decode_rows: torch.Tensor | None = None  # [B] 0 .. B-1
     prefills: list[PrefillSpan] = field(default_factory=list)
     use_quant: bool = False  # route linears through the weight-only quantised kernels
     rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per rotary module
+
+
+@dataclass
+class LayerCache:
+    """One layer's paged KV cache, head-major [KVH, num_blocks, block_size, D] so that gathered blocks come out
+    as [KVH, B, L, D], ready for batched matmuls; plus the decode batch's history as contiguous tensors.
+
+    The stage saves re-gathering every sequence's whole history each step (memory traffic dominates batched
+    decode here); it is a copy: the paged blocks stay the source of truth.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_stage: torch.Tensor | None = None  # [KVH, B, stage length, D]
+    v_stage: torch.Tensor | None = None
 
 
 class Linear(nn.Module):
@@ -200,8 +217,7 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [KVH, num_blocks, block_size, D]
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     ctx: StepContext,
     scale: float,
 ) -> torch.Tensor:
@@ -209,17 +225,24 @@ def paged_attention(
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    k_flat = k_cache.view(num_kv_heads, -1, head_dim)
-    v_flat = v_cache.view(num_kv_heads, -1, head_dim)
+    k_flat = cache.k.view(num_kv_heads, -1, head_dim)
+    v_flat = cache.v.view(num_kv_heads, -1, head_dim)
     k_flat.index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
     v_flat.index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
     parts = []
 
     nd = ctx.num_decode
     if nd:
+        if ctx.decode_gather is not None:
+            cache.k_stage = cache.k.index_select(1, ctx.decode_gather).view(num_kv_heads, nd, -1, head_dim)
+            cache.v_stage = cache.v.index_select(1, ctx.decode_gather).view(num_kv_heads, nd, -1, head_dim)
+        else:
+            decode_positions = ctx.positions[:nd]
+            cache.k_stage[:, ctx.decode_rows, decode_positions] = k[:nd].transpose(0, 1)
+            cache.v_stage[:, ctx.decode_rows, decode_positions] = v[:nd].transpose(0, 1)
+        keys = cache.k_stage.view(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
+        values = cache.v_stage.view(num_kv_heads * nd, -1, head_dim)
         # hand-written: bf16 SDPA is several times slower for one query per sequence
-        keys = k_cache.index_select(1, ctx.decode_blocks).view(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
-        values = v_cache.index_select(1, ctx.decode_blocks).view(num_kv_heads * nd, -1, head_dim)
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
         scores = torch.baddbmm(ctx.decode_mask, qd, keys.transpose(1, 2), alpha=scale)  # [KVH*B, G, L]
         out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KVH*B, G, D]
@@ -231,8 +254,10 @@ def paged_attention(
             ks, vs = k[span.start : span.end].transpose(0, 1), v[span.start : span.end].transpose(0, 1)
         else:
             ks, vs = k_flat.index_select(1, span.kv_slots), v_flat.index_select(1, span.kv_slots)
+        if group > 1:  # enable_gqa=True falls back to SDPA's slow math path on CPU
+            ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=group > 1
-        )
-        parts.append(o.transpose(0, 1).reshape(span.end - span.start, -1))
+            qs[None], ks[None], vs[None], attn_mask=span.mask, is_causal=span.mask is None, scale=scale
+        )  # 4-D inputs: the flash kernel for CPU
+        parts.append(o[0].transpose(0, 1).reshape(span.end - span.start, -1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -12,10 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Linear, RMSNorm, Rotary, StepContext, paged_attention
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
+from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, paged_attention
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, rotary: Rotary) -> None:
@@ -32,12 +29,12 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: LayerCache) -> torch.Tensor:
         qkv = self.qkv_proj(x, ctx.use_quant).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], ctx)  # one rotation for q and k
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], ctx, self.scale)
+        o = paged_attention(q, k, v, kv_cache, ctx, self.scale)
         return self.o_proj(o, ctx.use_quant)
 
 
@@ -62,7 +59,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: LayerCache) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), ctx, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h), ctx)
 
@@ -93,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
 
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[LayerCache]) -> torch.Tensor:
         """[T] token ids -> [T, hidden] hidden states before the final norm; writes K/V into kv_caches."""
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
