@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--health-interval", type=float, default=0.05, help="seconds between GET /health; 0 disables")
     p.add_argument("--json", help="write the summaries and every request's timings to this file")
     p.add_argument("--plot", help="write latency CDFs and throughput to this PNG")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument("--from-json", help="measure nothing: print (and --plot) the results of an earlier --json file")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--peer", action="append", default=[], help="another OpenAI-compatible server: URL or NAME=URL")
     p.add_argument("--compare", action="store_true",
@@ -172,6 +174,16 @@ async def _run_with_progress(args: argparse.Namespace, target: Target, specs: li
         bar.close()
 
 
+def show(args: argparse.Namespace, levels: list[LevelResult]) -> None:
+    print(report.table(levels, args.markdown))
+    server_side = report.server_table(levels, args.markdown)
+    if server_side:
+        print("\n" + server_side)
+    if args.plot:
+        report.plot(args.plot, levels)
+        print(f"bench: wrote {args.plot}", file=sys.stderr)
+
+
 async def run(args: argparse.Namespace) -> int:
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then installs no handler.
     # Cancelling the main task unwinds through the ExitStack, which stops the servers we started.
@@ -193,25 +205,23 @@ async def run(args: argparse.Namespace) -> int:
         tokenizer_dir = args.tokenizer or hf_dir
         counter = load_token_counter(tokenizer_dir) if tokenizer_dir else None
         targets, levels = await measure(args, targets, counter)
-    print(report.table(levels))
-    server_side = report.server_table(levels)
-    if server_side:
-        print("\n" + server_side)
     plain = (int, float, str, bool, list, type(None))
     config: dict[str, Any] = {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()}
     config["targets"] = [{"name": t.name, "url": t.base_url, "model": t.model, "flavor": t.flavor} for t in targets]
     if args.json:
         report.write_json(args.json, levels, config)
         print(f"bench: wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        report.plot(args.plot, levels)
-        print(f"bench: wrote {args.plot}", file=sys.stderr)
+    show(args, levels)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        show(args, report.read_json(args.from_json)[0])
+        return 0
     try:
-        return asyncio.run(run(parse_args(argv)))
+        return asyncio.run(run(args))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("bench: interrupted", file=sys.stderr)
         return 130

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.runner import LevelResult
+from bench.client import RequestResult
+from bench.runner import LevelResult, LoadShape
 
 LATENCIES = (  # (summary key, column title, scale to the shown unit)
     ("admission_s", "admit ms", 1e3),
@@ -31,7 +32,7 @@ def _triple(summary: dict[str, Any], scale: float) -> str:
     return "/".join(_num(None if summary[k] is None else summary[k] * scale) for k in ("p50", "p95", "p99"))
 
 
-def table(levels: list[LevelResult]) -> str:
+def table(levels: list[LevelResult], markdown: bool = False) -> str:
     header = ["server", "load", "sent", "ok", "429", "err", "in/out tok", "req/s", "out tok/s", "tot tok/s"]
     header += [f"{title} p50/95/99" for _, title, _ in LATENCIES]
     rows = [header]
@@ -44,10 +45,14 @@ def table(levels: list[LevelResult]) -> str:
         row += [_num(s["total_tokens_per_s"])] + [_triple(s[key], scale) for key, _, scale in LATENCIES]
         rows.append(row)
     notes = [f"{level.target} {level.shape.label()}: {err}" for level in levels for err in level.summary()["error_samples"]]
-    return "\n".join([_format(rows)] + (["", "errors seen:"] + notes if notes else []))
+    return "\n".join([_format(rows, markdown)] + (["", "errors seen:"] + notes if notes else []))
 
 
-def _format(rows: list[list[str]]) -> str:
+def _format(rows: list[list[str]], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(row) + " |" for row in rows]
+        lines.insert(1, "|" + "|".join(" --- " for _ in rows[0]) + "|")
+        return "\n".join(lines)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
@@ -55,7 +60,7 @@ def _format(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def server_table(levels: list[LevelResult]) -> str:
+def server_table(levels: list[LevelResult], markdown: bool = False) -> str:
     """Server-side histograms (p50/p99 in ms) for servers with a Prometheus /metrics endpoint."""
     names = list(dict.fromkeys(name for level in levels for name in level.server_histograms))
     if not names:
@@ -69,7 +74,7 @@ def server_table(levels: list[LevelResult]) -> str:
                 "-" if c is None else "/".join(_num(None if c[k] is None else c[k] * 1e3) for k in ("p50", "p99"))
                 for c in cells
             ])
-    return "server-side, from /metrics (bucket-interpolated):\n" + _format(rows)
+    return "server-side, from /metrics (bucket-interpolated):\n" + _format(rows, markdown)
 
 
 def to_json(levels: list[LevelResult], config: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +91,24 @@ def to_json(levels: list[LevelResult], config: dict[str, Any]) -> dict[str, Any]
 def write_json(path: str | Path, levels: list[LevelResult], config: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(to_json(levels, config), indent=1))
+
+
+def read_json(path: str | Path) -> tuple[list[LevelResult], dict[str, Any]]:
+    """The levels of an earlier run's --json file, to print or plot again without measuring."""
+    data = json.loads(Path(path).read_text())
+    levels = [
+        LevelResult(
+            target=level["target"],
+            shape=LoadShape(level["mode"], level["level"]),
+            duration=level["duration_s"],
+            requests=[RequestResult(**request) for request in level["requests"]],
+            health=level["health_samples_s"],
+            server_histograms=level.get("server_histograms", {}),
+            loadavg=tuple(level.get("loadavg_before_after", (0.0, 0.0))),
+        )
+        for level in data["levels"]
+    ]
+    return levels, data.get("config", {})
 
 
 def _series(level: LevelResult, key: str) -> list[float]:

@@ -159,6 +159,9 @@ def test_report_outputs(tmp_path) -> None:
     report.write_json(tmp_path / "out.json", levels, {"url": "x"})
     data = json.loads((tmp_path / "out.json").read_text())
     assert [lv["sent"] for lv in data["levels"]] == [10, 10] and len(data["levels"][0]["requests"]) == 10
+    again, config = report.read_json(tmp_path / "out.json")
+    assert config == {"url": "x"} and report.table(again) == text
+    assert report.table(levels, markdown=True).splitlines()[1].startswith("| --- |")
     pytest.importorskip("matplotlib")
     report.plot(tmp_path / "out.png", levels)
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
@@ -172,6 +175,7 @@ def test_cli_levels_and_peers() -> None:
     assert [(s.mode, s.level) for s in load_shapes(burst)] == [("burst", 256)]
     assert num_requests(parse_args(["--num-requests", "2x"]), LoadShape("closed", 8)) == 16
     assert num_requests(parse_args(["--rate", "3"]), LoadShape("rate", 3)) == 64
+    assert parse_args(["--from-json", "x.json", "--markdown"]).markdown
     assert peer_target("llama=http://127.0.0.1:9000") == Target("llama", "http://127.0.0.1:9000")
     assert peer_target("http://127.0.0.1:9000/v1").name == "127.0.0.1:9000"
     assert Target("x", "http://127.0.0.1:9000/v1/").root == "http://127.0.0.1:9000"
