@@ -101,15 +101,9 @@ class RequestStream:
         return True
 
     def _terminal(self, finish_reason: str, error: str | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=[],
-            text_delta="",
-            finished=True,
-            finish_reason=finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            error=error,
-        )
+        """The final delta of a request that the engine itself cannot end (queued, or the loop is gone)."""
+        num_prompt_tokens = len(self.prompt_token_ids)
+        return RequestOutput(self.request_id, [], "", True, finish_reason, num_prompt_tokens=num_prompt_tokens, error=error)
 
 
 class AsyncEngine:
@@ -220,6 +214,9 @@ class AsyncEngine:
         """Load and warm the engine (in a worker thread), report started, then step until drained."""
         try:
             self._engine = await anyio.to_thread.run_sync(self._load_engine)
+        except anyio.get_cancelled_exc_class():
+            self._state = EngineState.STOPPED
+            raise
         except BaseException:
             self._state = EngineState.DEAD
             raise

@@ -30,6 +30,9 @@ logger = logging.getLogger("sluice.server")
 HYPERCORN_GRACE_SECONDS = 5.0
 # Hypercorn's default backlog (100) drops connections in a burst of a few hundred clients.
 LISTEN_BACKLOG = 2048
+# The forward-pass thread holds the GIL between torch calls; the default 5 ms switch interval lets it keep
+# the event loop waiting that long each time. Handlers and /health need it back sooner.
+GIL_SWITCH_INTERVAL = 0.0005
 
 
 def hypercorn_config(server: ServerConfig) -> HypercornConfig:
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from web.app import create_app
 
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     engine = build_engine(config)
     return anyio.run(serve, engine, create_app(engine, config.server), config.server)
 
