@@ -20,7 +20,7 @@ SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 
 # Weight-only int4 kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
 QUANT_MAX_TOKENS = 16
-QUANT_MAX_LOGITS_ROWS = 8  # the lm_head (vocab x hidden) has its own crossover
+QUANT_MAX_LOGITS_ROWS = 4  # the lm_head (vocab x hidden) has its own crossover
 # Extra blocks of room in a rebuilt decode stage: it is re-gathered when a sequence outgrows it.
 STAGE_SLACK_BLOCKS = 2
 
