@@ -52,7 +52,8 @@ def health(base_url: str) -> tuple[int, dict[str, Any]]:
 class ThreadedServer:
     """Hypercorn + the engine loop in a thread of their own, with an event loop of their own."""
 
-    def __init__(self, load_engine: Callable[[], Any], **server_overrides: Any) -> None:
+    def __init__(self, load_engine: Callable[[], Any], wait_ready: bool = True, **server_overrides: Any) -> None:
+        self.wait_ready = wait_ready
         self.config = ServerConfig(port=free_port(), **server_overrides)
         self.base_url = f"http://127.0.0.1:{self.config.port}"
         self.async_engine = AsyncEngine(load_engine, max_pending=self.config.max_pending)
@@ -69,7 +70,8 @@ class ThreadedServer:
         self._served = self._portal.start_task_soon(
             lambda: serve(self.async_engine, self.app, self.config, bind=hconfig, stop=self._stop)
         )
-        wait_until(lambda: health(self.base_url)[0] == 200 or self._served.done())
+        expected = 200 if self.wait_ready else 503
+        wait_until(lambda: health(self.base_url)[0] == expected or self._served.done())
         if self._served.done():
             self._served.result()
         return self

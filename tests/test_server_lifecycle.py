@@ -217,7 +217,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> Non
     process = server_subprocess(
         ["--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port), "--served-model-name", MODEL,
          "--num-kv-blocks", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"],
-        env_overrides={"SLUICE_DRAIN_TIMEOUT": "1.0", "SLUICE_NUM_THREADS": "1"},
+        env_overrides={"SLUICE_DRAIN_TIMEOUT": "0.5", "SLUICE_NUM_THREADS": "1"},
     )  # fmt: skip
     try:
         wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
@@ -253,3 +253,21 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> Non
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
+    release = threading.Event()
+    load = llm_engine_loader(tiny_engine_config(tiny_llama_dir))
+
+    def slow_load() -> Any:
+        release.wait(30)
+        return load()
+
+    with ThreadedServer(slow_load, served_model_name=MODEL, wait_ready=False) as server:
+        wait_until(lambda: health(server.base_url)[0] == 503)
+        assert health(server.base_url)[1]["state"] == "loading"
+        response = httpx.post(f"{server.base_url}/v1/completions", json=SHORT)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_loading"
+        release.set()
+        wait_until(lambda: health(server.base_url)[0] == 200)
+        assert httpx.post(f"{server.base_url}/v1/completions", json=SHORT, timeout=30).status_code == 200
