@@ -98,7 +98,8 @@ def peer_target(spec: str) -> Target:
     return Target(name or urlsplit(url).netloc, url)
 
 
-def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[list[servers.ManagedServer], str | None]:
+async def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[list[Target], str | None]:
+    """Starts each server and waits for it before the next, so model loads do not fight over the cores."""
     wanted = args.servers.split(",")
     hf_dir = servers.resolve_hf_model_dir(args.hf_model_dir)
     if hf_dir is None and any(name.startswith("transformers") for name in wanted):
@@ -115,7 +116,9 @@ def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[list[serv
             target = Target(name, url, hf_dir, "transformers")  # it only accepts the name it was started with
         server = servers.start(name, command, target, Path(args.log_dir))
         stack.callback(servers.stop, server)
-        started.append(server)
+        print(f"bench: waiting for {name} ({server.log_path})", file=sys.stderr)
+        await servers.wait_ready(server, args.startup_timeout)
+        started.append(target)
     return started, hf_dir
 
 
@@ -153,7 +156,16 @@ async def measure(
                                args.shared_prefix, counter)
         for target in targets:  # interleaved: every server at this level before the next level
             levels.append(await _run_with_progress(args, target, specs, shape, options))
+            if args.json:  # after every level: an interrupted run keeps what it measured
+                report.write_json(args.json, levels, run_config(args, targets))
     return targets, levels
+
+
+def run_config(args: argparse.Namespace, targets: list[Target]) -> dict[str, Any]:
+    plain = (int, float, str, bool, list, type(None))
+    config: dict[str, Any] = {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()}
+    config["targets"] = [{"name": t.name, "url": t.base_url, "model": t.model, "flavor": t.flavor} for t in targets]
+    return config
 
 
 async def _run_with_progress(args: argparse.Namespace, target: Target, specs: list, shape: LoadShape,
@@ -194,22 +206,14 @@ async def run(args: argparse.Namespace) -> int:
         targets: list[Target] = []
         hf_dir = None
         if args.compare:
-            started, hf_dir = start_servers(args, stack)
-            for server in started:  # one at a time, so model loads do not fight over two cores
-                print(f"bench: waiting for {server.target.name} ({server.log_path})", file=sys.stderr)
-                await servers.wait_ready(server, args.startup_timeout)
-            targets = [server.target for server in started]
+            targets, hf_dir = await start_servers(args, stack)
         else:
             targets = [Target(urlsplit(args.url).netloc or args.url, args.url, args.model)]
         targets += [peer_target(spec) for spec in args.peer]
         tokenizer_dir = args.tokenizer or hf_dir
         counter = load_token_counter(tokenizer_dir) if tokenizer_dir else None
         targets, levels = await measure(args, targets, counter)
-    plain = (int, float, str, bool, list, type(None))
-    config: dict[str, Any] = {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items()}
-    config["targets"] = [{"name": t.name, "url": t.base_url, "model": t.model, "flavor": t.flavor} for t in targets]
     if args.json:
-        report.write_json(args.json, levels, config)
         print(f"bench: wrote {args.json}", file=sys.stderr)
     show(args, levels)
     return 0
