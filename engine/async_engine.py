@@ -102,8 +102,9 @@ class RequestStream:
 
     def _terminal(self, finish_reason: str, error: str | None = None) -> RequestOutput:
         """The final delta of a request that the engine itself cannot end (queued, or the loop is gone)."""
-        num_prompt_tokens = len(self.prompt_token_ids)
-        return RequestOutput(self.request_id, [], "", True, finish_reason, num_prompt_tokens=num_prompt_tokens, error=error)
+        output = RequestOutput(self.request_id, [], "", True, finish_reason, error=error)
+        output.num_prompt_tokens = len(self.prompt_token_ids)
+        return output
 
 
 class AsyncEngine:

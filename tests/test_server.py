@@ -84,7 +84,9 @@ def test_streamed_equals_non_streamed_with_the_openai_client(client: openai.Open
     assert whole.usage.completion_tokens == 16 and whole.choices[0].finish_reason == "length"
 
     text = client.completions.create(model=MODEL, prompt="Paged attention", max_tokens=16, temperature=0)
-    streamed = client.completions.create(model=MODEL, prompt="Paged attention", max_tokens=16, temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Paged attention", max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
 
 
@@ -135,8 +137,9 @@ def test_models_and_health(http: httpx.Client) -> None:
     assert health.status_code == 200
     assert set(health.json()) == {"state", "waiting", "running", "pending", "free_kv_blocks", "total_kv_blocks"}
     metrics = http.get("/metrics").text
-    for name in ("sluice_admission_seconds_bucket", "sluice_time_to_first_token_seconds", "sluice_requests_rejected_total"):
+    for name in ("sluice_admission_seconds_bucket", "sluice_time_to_first_token_seconds_count"):
         assert name in metrics
+    assert "sluice_requests_rejected_total" in metrics and "sluice_prefix_cache_hit_rate" in metrics
 
 
 def test_stop_and_sampling_parameters_are_accepted(client: openai.OpenAI, http: httpx.Client) -> None:
@@ -154,7 +157,7 @@ def test_stop_and_sampling_parameters_are_accepted(client: openai.OpenAI, http: 
 BAD_REQUESTS = [
     # (path, body or raw bytes, content type, status, param or None, words in the message)
     ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400, "messages", "at least 1"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages.0.role", ""),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]}, None, 400, "messages.0.role", ""),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, None, 400, "max_tokens", "integer"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, None, 400, "max_tokens", ""),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, None, 400, "temperature", ""),

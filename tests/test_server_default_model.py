@@ -14,6 +14,9 @@ from server_harness import ThreadedServer, llm_engine_loader, stream_request
 
 MODEL = "smollm2"
 REPLACEMENT = "\ufffd"
+CJK_QUESTION = "请用中文回答：你好吗？"
+EMOJI_REQUEST = "Reply with three emoji: 😀"
+MIXED_PROMPT = "日本語のテキストと中文文本和한국어 텍스트. 😀 🚀 🎉"
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +49,14 @@ def whole_characters_request(http: httpx.Client, path: str, body: dict[str, Any]
 @pytest.mark.parametrize(
     "path,body,key",
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "请用中文回答：你好吗？"}]}, "delta"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Reply with three emoji: 😀"}]}, "delta"),
-        ("/v1/completions", {"prompt": "日本語のテキストと中文文本和한국어 텍스트. 😀 🚀 🎉"}, "text"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": CJK_QUESTION}]}, "delta"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": EMOJI_REQUEST}]}, "delta"),
+        ("/v1/completions", {"prompt": MIXED_PROMPT}, "text"),
     ],
 )
 def test_cjk_and_emoji_are_whole_in_every_chunk(http: httpx.Client, path: str, body: dict, key: str) -> None:
-    request, full_text = whole_characters_request(http, path, {**body, "model": MODEL, "max_tokens": 12, "temperature": 0})
+    body = {**body, "model": MODEL, "max_tokens": 12, "temperature": 0}
+    request, full_text = whole_characters_request(http, path, body)
     assert any(ord(c) > 0x2E80 for c in full_text), f"expected CJK or emoji in {full_text!r}"
     result = stream_request(http, path, request)
     pieces = []
@@ -69,8 +73,9 @@ def test_streamed_equals_non_streamed_with_the_openai_client(server: ThreadedSer
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
-    )
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

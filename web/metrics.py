@@ -21,20 +21,19 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 class ServerMetrics:
     def __init__(self) -> None:
         disable_created_metrics()  # the *_created series only add noise to every scrape
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.admission = Histogram(
-            "sluice_admission_seconds", "Request body received to the enqueue or 429 decision", buckets=ADMISSION_BUCKETS, registry=r
+        self.registry = r = CollectorRegistry()
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"sluice_{name}_seconds", doc, buckets=buckets, registry=r)
+
+        self.admission = histogram(
+            "admission", "Request body received to the enqueue or 429 decision", ADMISSION_BUCKETS
         )
-        self.body_wait = Histogram(
-            "sluice_body_wait_seconds", "Handler entry to the whole request body received", buckets=ADMISSION_BUCKETS, registry=r
-        )
-        self.ttft = Histogram("sluice_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram(
-            "sluice_queue_time_seconds", "Accepted to handed to the scheduler", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.e2e = Histogram("sluice_e2e_latency_seconds", "Accepted to the terminal event", buckets=E2E_BUCKETS, registry=r)
+        self.body_wait = histogram("body_wait", "Handler entry to the whole request body received", ADMISSION_BUCKETS)
+        self.ttft = histogram("time_to_first_token", "Accepted to the first token", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency", "Time between tokens", LATENCY_BUCKETS)
+        self.queue = histogram("queue_time", "Accepted to handed to the scheduler", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_latency", "Accepted to the terminal event", E2E_BUCKETS)
         self.running = Gauge("sluice_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("sluice_requests_waiting", "Requests waiting in the scheduler", registry=r)
         self.pending = Gauge("sluice_requests_pending", "Requests in the admission queue", registry=r)
@@ -81,5 +80,5 @@ class RequestTimer:
             return
         self.ended = True
         self._metrics.e2e.observe(time.perf_counter() - self._stream.arrival_time)
-        counter = {"abort": self._metrics.aborted, "error": self._metrics.failed}.get(finish_reason, self._metrics.finished)
-        counter.inc()
+        metrics = self._metrics
+        {"abort": metrics.aborted, "error": metrics.failed}.get(finish_reason, metrics.finished).inc()

@@ -105,12 +105,14 @@ async def _drain_on_stop(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m web.server",
-        description="Sluice: an OpenAI-compatible server. Flags override SLUICE_<KEY> env vars, which override the config file.",
+        description="Sluice, an OpenAI-compatible server. Flags override SLUICE_<KEY> environment variables, "
+        "which override the config file.",
     )
     parser.add_argument("--config", help="a config.toml (default: the repository's)")
     for cls in (EngineConfig, ServerConfig):
         for f in fields(cls):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, help=f"[{cls.__name__}] default {f.default!r}")
+            flag = f"--{f.name.replace('_', '-')}"
+            parser.add_argument(flag, dest=f.name, help=f"[{cls.__name__}] default {f.default!r}")
     return parser.parse_args(argv)
 
 
