@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +18,9 @@ import httpx
 import pytest
 
 from server_harness import (
+    REPO,
     ThreadedServer,
+    free_port,
     health,
     llm_engine_loader,
     parse_sse,
@@ -210,8 +215,6 @@ def test_engine_loop_crash_errors_every_stream_and_stops_the_server(tiny_llama_d
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> None:
-    from server_harness import free_port
-
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     process = server_subprocess(
@@ -271,3 +274,26 @@ def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
         release.set()
         wait_until(lambda: health(server.base_url)[0] == 200)
         assert httpx.post(f"{server.base_url}/v1/completions", json=SHORT, timeout=30).status_code == 200
+
+
+def test_the_hypercorn_command_serves_and_stops_cleanly(tiny_llama_dir) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ, "SLUICE_MODEL": str(tiny_llama_dir), "SLUICE_DTYPE": "float32", "SLUICE_NUM_THREADS": "1",
+        "SLUICE_NUM_KV_BLOCKS": "256", "SLUICE_MAX_NUM_SEQS": "8", "SLUICE_MAX_NUM_BATCHED_TOKENS": "256",
+        "SLUICE_SERVED_MODEL_NAME": MODEL,
+    }  # fmt: skip
+    command = [sys.executable, "-m", "hypercorn", "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}",
+               "web.asgi:create_asgi_app()"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
+        result = stream_request(httpx.Client(base_url=base_url, timeout=30), "/v1/completions", SHORT)
+        assert result.events[-1] == "[DONE]" and result.events[-2]["choices"][0]["finish_reason"] == "length"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
