@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from server_harness import free_port, health, server_subprocess, wait_until  # noqa: E402
 
-BUCKET = re.compile(r'^sluice_admission_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.MULTILINE)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -32,9 +31,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def admission_buckets(base_url: str) -> list[tuple[float, float]]:
+def histogram_buckets(base_url: str, name: str) -> list[tuple[float, float]]:
     text = httpx.get(f"{base_url}/metrics").text
-    return [(float(le), float(count)) for le, count in BUCKET.findall(text)]
+    bucket = re.compile(rf'^{name}_bucket\{{le="([^"]+)"\}} (\S+)$', re.MULTILINE)
+    return [(float(le), float(count)) for le, count in bucket.findall(text)]
+
+
+def admission_buckets(base_url: str) -> dict[str, list[tuple[float, float]]]:
+    return {name: histogram_buckets(base_url, f"sluice_{name}_seconds") for name in ("admission", "body_wait")}
 
 
 def histogram_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
@@ -104,8 +108,9 @@ def measure(base_url: str) -> None:
     results = asyncio.run(burst(base_url, model, 256, max_tokens=4))
     after = admission_buckets(base_url)
     print(f"256-request burst: {sum(s == 200 for s, _ in results)} accepted, {sum(s == 429 for s, _ in results)} 429")
-    print(f"  server-side admission p50 {histogram_quantile(before, after, 0.5) * 1e3:.3f} ms, "
-          f"p99 {histogram_quantile(before, after, 0.99) * 1e3:.3f} ms")  # fmt: skip
+    for name, label in (("admission", "server-side admission"), ("body_wait", "body wait (before admission)")):
+        p50, p99 = (histogram_quantile(before[name], after[name], q) * 1e3 for q in (0.5, 0.99))
+        print(f"  {label} p50 {p50:.3f} ms, p99 {p99:.3f} ms")
 
     results = asyncio.run(burst(base_url, model, 300, max_tokens=4))
     to_headers = [t for _, t in results]
