@@ -5,6 +5,7 @@ transformers supplies configs, tokenizers, chat templates and GGUF dequantisatio
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import importlib.util
 import logging
@@ -153,6 +154,16 @@ def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -164,10 +175,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = DTYPES[config.dtype]
 
-    model = cls(hf_config)
-    model.load_weights(_iter_weights(model_dir))
+    quant_file = None
     if config.quantize == "auto" and dtype == torch.bfloat16:
-        quantize_model(model, dtype)  # from the float32 checkpoint values, before rounding to dtype
+        quant_file = _quant_cache_file(model_dir, dtype, config.cache_path)
+    # quantising reads the checkpoint's own (float32) values; otherwise build in dtype and cast while loading
+    with _default_dtype(torch.float32 if quant_file and not quant_file.is_file() else dtype):
+        model = cls(hf_config)
+    model.load_weights(_iter_weights(model_dir))
+    if quant_file is not None:
+        quantize_model(model, dtype, quant_file)  # cached: quantising takes seconds
     model.to(dtype).eval()
 
     max_pos = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions")
@@ -184,13 +200,50 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
 
 
-def quantize_model(model: nn.Module, dtype: torch.dtype) -> None:
+def _quant_cache_file(model_dir: Path, dtype: torch.dtype, cache_root: Path) -> Path:
+    from engine.models.layers import INT4_GROUP_SIZE
+
+    # the packed int4 layout is torch's own: a new torch version re-quantises
+    parts = [torch.__version__, str(dtype), str(INT4_GROUP_SIZE)]
+    for file in sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin")):
+        stat = file.stat()
+        parts.append(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")
+    digest = xxhash.xxh64_hexdigest("\n".join(parts).encode())[:12]
+    return cache_root / "quantized" / f"{model_dir.name}-{digest}.safetensors"
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype, cache_file: Path | None = None) -> None:
     """Add weight-only quantised copies next to the dense weights, for small batches: int4 for the layers,
     int8 for the lm_head (a 4-bit head changes greedy tokens; GGUF files keep it at 8 bits or more too)."""
+    from safetensors.torch import load_file, save_file
+
     from engine.models.layers import Linear
 
-    for name, module in model.named_modules():
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if cache_file is not None and cache_file.is_file():
+        tensors = load_file(cache_file)
+        for name, module in linears.items():
+            if f"{name}.qweight" in tensors:
+                module.qweight, module.qscales = tensors[f"{name}.qweight"], tensors[f"{name}.qscales"]
+                module.qbits = 8 if module.qweight.dtype == torch.int8 else 4
+        return
+
+    for name, module in linears.items():
         if name == "lm_head":
             module.quantize_int8(dtype)
-        elif isinstance(module, Linear):
+        else:
             module.quantize_int4(dtype)
+    if cache_file is not None:
+        tensors = {}
+        for name, module in linears.items():
+            if module.qbits:
+                tensors[f"{name}.qweight"], tensors[f"{name}.qscales"] = module.qweight, module.qscales
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{cache_file.name}.", dir=cache_file.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp)
+            os.replace(tmp, cache_file)  # atomic: concurrent loaders see the old state or the whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
