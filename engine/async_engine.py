@@ -223,6 +223,8 @@ class AsyncEngine:
             raise
         # The model, tokenizer and libraries loaded by now live as long as the process: moving them out of
         # the collector's reach cuts full collections from hundreds of ms (event-loop stalls) to a few.
+        # Collect first, so that no garbage of the load (or of an earlier engine) is frozen with them.
+        gc.collect()
         gc.freeze()
         if self._state is EngineState.LOADING:
             self._state = EngineState.READY
