@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.layers import LayerCache, PrefillSpan, StepContext
+from engine.models.layers import LayerCache, Linear, PrefillSpan, StepContext
 from engine.models.loader import LoadedModel, load_model, resolve_model_dir
 
 
@@ -103,6 +103,20 @@ def test_unknown_path_and_architecture(tmp_path: Path) -> None:
     (tmp_path / "weird" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
     with pytest.raises(ValueError, match="BertModel"):
         load_model(EngineConfig(model=str(tmp_path / "weird")))
+
+
+@pytest.mark.parametrize(("bits", "n", "k"), [(4, 48, 96), (4, 24, 64), (8, 385, 64), (8, 100, 72)])
+def test_quantised_linear_close_to_dense_or_dense_fallback(bits: int, n: int, k: int) -> None:
+    # shapes the kernels cannot take (int4: N % 16, int8: K % 16) keep only the dense weight
+    linear = Linear(k, n)
+    linear.weight.data = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
+    (linear.quantize_int4 if bits == 4 else linear.quantize_int8)(torch.bfloat16)
+    linear.to(torch.bfloat16)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    dense, quant = linear(x).float(), linear(x, quant=True).float()
+    supported = n % 16 == 0 if bits == 4 else k % 16 == 0
+    assert linear.qbits == (bits if supported else 0)
+    assert (quant - dense).norm() / dense.norm() < (0.15 if bits == 4 else 0.02)
 
 
 # --- the real default model (SmolLM2-135M-Instruct, converted from the packaged GGUF once, then cached) ---

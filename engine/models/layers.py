@@ -82,7 +82,7 @@ class Linear(nn.Module):
         """Asymmetric min/max 4-bit groups along K; for Q4_1 GGUF weights this reproduces the file's grid."""
         w = self.weight.detach().float()
         n, k = w.shape
-        if k % INT4_GROUP_SIZE or n % 8:
+        if k % INT4_GROUP_SIZE or n % 16:  # the packing kernel's constraints
             return
         groups = w.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         lo, hi = groups.amin(-1), groups.amax(-1)
@@ -97,6 +97,8 @@ class Linear(nn.Module):
     def quantize_int8(self, dtype: torch.dtype) -> None:
         """Symmetric per-row int8."""
         w = self.weight.detach().float()
+        if w.shape[1] % 16:  # the kernel returns garbage (or crashes) for other K
+            return
         scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
         self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.qscales = scale.to(dtype)
