@@ -167,7 +167,7 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a tokenized request. ValueError: too long; QueueFull: 429; EngineUnavailable: 503."""
         engine = self._ready_engine()
-        self._check_length(engine.max_model_len, len(prompt_token_ids), params.max_tokens)
+        engine.check_request(len(prompt_token_ids), params)
         stream = RequestStream(request_id, prompt_token_ids, params)
         try:
             self._pending_send.send_nowait(stream)
@@ -176,20 +176,6 @@ class AsyncEngine:
         self._requests[request_id] = stream
         self._wakeup.set()
         return stream
-
-    @staticmethod
-    def _check_length(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        if max_tokens is None:
-            if num_prompt_tokens >= max_model_len:
-                raise ValueError(
-                    f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
-                    f"the model's context length of {max_model_len} tokens"
-                )
-        elif num_prompt_tokens + max_tokens > max_model_len:
-            raise ValueError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
-                f"{num_prompt_tokens + max_tokens} tokens, over the model's context length of {max_model_len}"
-            )
 
     def abort(self, request_id: str) -> bool:
         """Idempotent. True when the request was still unfinished (it then gets a final "abort" delta)."""

@@ -56,7 +56,10 @@ class ServerConfig:
     max_pending: int = 256
     drain_timeout: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout: float = 30.0
     retry_after_seconds: int = 1
+    backlog: int = 2048
+    graceful_timeout: float = 5.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -66,6 +69,8 @@ class ServerConfig:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.body_timeout <= 0 or self.graceful_timeout < 0 or self.backlog < 1:
+            raise ValueError("body_timeout must be > 0, graceful_timeout >= 0 and backlog >= 1")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
 

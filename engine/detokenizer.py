@@ -31,7 +31,6 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
-        self._pending_ids: list[int] = []  # tokens whose bytes DecodeStream has not released yet
         self.text = ""  # everything emitted so far
 
     def step(self, token_id: int, can_stop: bool = True) -> tuple[str, str | None]:
@@ -41,18 +40,13 @@ class IncrementalDetokenizer:
         """
         piece = self._stream.step(self._tokenizer, token_id)
         if piece is None:
-            self._pending_ids.append(token_id)
             return "", None
-        self._pending_ids.clear()
         return self._emit(self._held + piece, can_stop)
 
     def flush(self) -> str:
-        """At the end: release what is held (a partial stop match, undecodable trailing bytes)."""
-        tail = self._held
-        if self._pending_ids:
-            tail += self._tokenizer.decode(self._pending_ids, skip_special_tokens=self._skip_special_tokens)
-            self._pending_ids.clear()
-        self._held = ""
+        """At the end: release a held partial stop match. Bytes of a character that max_tokens cut off
+        are dropped (as vLLM does), so no request ends in U+FFFD."""
+        tail, self._held = self._held, ""
         self.text += tail
         return tail
 

@@ -77,6 +77,25 @@ class LLMEngine:
         token_ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         return list(token_ids)
 
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Raise ValueError unless the request fits the context; returns its effective max_tokens."""
+        num_prompt = num_prompt_tokens
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, but the context length (max_model_len) is "
+                f"{self.max_model_len}: at least one token must be left for the output"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {num_prompt + max_tokens} "
+                f"tokens, over the context length (max_model_len) of {self.max_model_len}"
+            )
+        for token_id in params.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"stop token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        return max_tokens
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Validate, then queue. Raises ValueError before any state changes."""
         if request_id in self.requests:
@@ -84,21 +103,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         prompt_token_ids = self.encode_prompt(prompt)
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {num_prompt} tokens, but the context length (max_model_len) is {self.max_model_len}: "
-                f"at least one token must be left for the output"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {num_prompt + max_tokens}, "
-                f"over the context length (max_model_len) of {self.max_model_len}"
-            )
-        for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise ValueError(f"stop token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = self.check_request(len(prompt_token_ids), params)
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.backend_tokenizer,
             prompt_token_ids,

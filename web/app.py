@@ -54,8 +54,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
     app = Quart("sluice")
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
-        # body_timeout is not a ServerConfig key yet: 30 s is generous for a few MB on any real link.
-        BODY_TIMEOUT=getattr(config, "body_timeout", 30.0),
+        BODY_TIMEOUT=config.body_timeout,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
     app.extensions["sluice"] = Services(engine, config)

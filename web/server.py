@@ -25,11 +25,6 @@ from engine.config import EngineConfig, ServerConfig, SluiceConfig, load_config
 
 logger = logging.getLogger("sluice.server")
 
-# The drain happens in the application before Hypercorn is told to stop, so Hypercorn's own grace period
-# only has to cover writing the last events: it is a backstop.
-HYPERCORN_GRACE_SECONDS = 5.0
-# Hypercorn's default backlog (100) drops connections in a burst of a few hundred clients.
-LISTEN_BACKLOG = 2048
 # The forward-pass thread holds the GIL between torch calls; the default 5 ms switch interval lets it keep
 # the event loop waiting that long each time. Handlers and /health need it back sooner.
 GIL_SWITCH_INTERVAL = 0.0005
@@ -38,8 +33,9 @@ GIL_SWITCH_INTERVAL = 0.0005
 def hypercorn_config(server: ServerConfig) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"{server.host}:{server.port}"]
-    config.graceful_timeout = HYPERCORN_GRACE_SECONDS
-    config.backlog = LISTEN_BACKLOG
+    # The drain happens in the application before Hypercorn is told to stop: its grace period is a backstop.
+    config.graceful_timeout = server.graceful_timeout
+    config.backlog = server.backlog
     config.accesslog = None
     config.errorlog = logger
     return config
