@@ -21,6 +21,8 @@ SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 # Weight-only int4 kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
 QUANT_MAX_TOKENS = 16
 QUANT_MAX_LOGITS_ROWS = 4  # the lm_head (vocab x hidden) has its own crossover
+# Decode attention through SDPA up to this many rows, by hand above (measured crossover).
+DECODE_SDPA_MAX_ROWS = 2
 # Extra blocks of room in a rebuilt decode stage: it is re-gathered when a sequence outgrows it.
 STAGE_SLACK_BLOCKS = 2
 
@@ -127,7 +129,10 @@ class ModelRunner:
             kv_lens = torch.tensor(starts) + 1
             visible = torch.arange(length)[None, :] < kv_lens[:, None]  # [B, L]
             mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-            decode_mask = mask.repeat(self.num_kv_heads, 1)[:, None, :]  # rows ordered (kv head, sequence)
+            if len(decodes) <= DECODE_SDPA_MAX_ROWS:
+                decode_mask = mask[:, None, None, :]
+            else:
+                decode_mask = mask.repeat(self.num_kv_heads, 1)[:, None, :]  # rows ordered (kv head, sequence)
             decode_rows = torch.arange(len(decodes))
 
         spans: list[PrefillSpan] = []
@@ -152,6 +157,7 @@ class ModelRunner:
             decode_gather=decode_gather,
             decode_mask=decode_mask,
             decode_rows=decode_rows,
+            decode_sdpa=len(decodes) <= DECODE_SDPA_MAX_ROWS,
             prefills=spans,
             use_quant=len(input_ids) <= self.quant_max_tokens,
         )

@@ -98,7 +98,9 @@ def test_paged_chunked_prefill_and_decode_match_full_forward(kind: str, tiny_lla
         record(run_step(runner, [(s, 1) for s in (a, b, c, d)]))
     for _ in range(2):
         record(run_step(runner, [(s, 1) for s in (d, b, a)]))
-    assert len(checked) == 2 + 2 + 3 + 48 + 6
+    for _ in range(3):  # few rows take another attention kernel
+        record(run_step(runner, [(s, 1) for s in (b, a)]))
+    assert len(checked) == 2 + 2 + 3 + 48 + 6 + 6
 
     for prefix, index in checked:
         with torch.inference_mode():

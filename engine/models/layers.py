@@ -43,7 +43,8 @@ class StepContext:
     # the paged cache (blocks [B * nblk], each row's blocks padded with block 0); otherwise the same sequences
     # decoded last step and only this step's K/V is appended at (row, position).
     decode_gather: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [KVH * B, 1, stage length] additive: 0 where the key exists, else -inf
+    decode_mask: torch.Tensor | None  # additive, 0 where the key exists, else -inf: [B, 1, 1, L] if decode_sdpa
+    decode_sdpa: bool = False  # else [KVH * B, 1, L] for the hand-written path
     decode_rows: torch.Tensor | None = None  # [B] 0 .. B-1
     prefills: list[PrefillSpan] = field(default_factory=list)
     use_quant: bool = False  # route linears through the weight-only quantised kernels
@@ -242,13 +243,20 @@ def paged_attention(
             decode_positions = ctx.positions[:nd]
             cache.k_stage[:, ctx.decode_rows, decode_positions] = k[:nd].transpose(0, 1)
             cache.v_stage[:, ctx.decode_rows, decode_positions] = v[:nd].transpose(0, 1)
-        keys = cache.k_stage.view(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
-        values = cache.v_stage.view(num_kv_heads * nd, -1, head_dim)
-        # hand-written: bf16 SDPA is several times slower for one query per sequence
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
-        scores = torch.baddbmm(ctx.decode_mask, qd, keys.transpose(1, 2), alpha=scale)  # [KVH*B, G, L]
-        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KVH*B, G, D]
-        parts.append(out.view(num_kv_heads, nd, group * head_dim).transpose(0, 1).reshape(nd, -1))
+        if ctx.decode_sdpa:
+            # one or two rows: SDPA's flash kernel, the G query heads of a KV head as G query rows
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            keys, values = cache.k_stage.transpose(0, 1), cache.v_stage.transpose(0, 1)  # [B, KVH, L, D]
+            out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=ctx.decode_mask, scale=scale)
+            parts.append(out.reshape(nd, -1))
+        else:
+            # more rows: batched matmuls by hand, several times faster than SDPA here
+            keys = cache.k_stage.view(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
+            values = cache.v_stage.view(num_kv_heads * nd, -1, head_dim)
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
+            scores = torch.baddbmm(ctx.decode_mask, qd, keys.transpose(1, 2), alpha=scale)  # [KVH*B, G, L]
+            out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KVH*B, G, D]
+            parts.append(out.view(num_kv_heads, nd, group * head_dim).transpose(0, 1).reshape(nd, -1))
 
     for span in ctx.prefills:
         qs = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
