@@ -18,9 +18,9 @@ from engine.models.loader import LoadedModel
 
 SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 
-# Weight-only int4 kernels beat dense bf16 matmuls up to about this many rows (measured on 2 cores).
-QUANT_MAX_TOKENS = 16
-QUANT_MAX_LOGITS_ROWS = 4  # the lm_head (vocab x hidden) has its own crossover
+# Weight-only int4 kernels beat packed bf16 matmuls up to about this many rows (measured in whole steps:
+# 1 and 4 rows faster with int4, 16 slower).
+QUANT_MAX_TOKENS = 8
 # Decode attention through SDPA up to this many rows, by hand above (measured crossover).
 DECODE_SDPA_MAX_ROWS = 2
 # Extra blocks of room in a rebuilt decode stage: it is re-gathered when a sequence outgrows it.
@@ -57,7 +57,6 @@ class ModelRunner:
         ]
         self._stage: _StageState | None = None
         self.quant_max_tokens = QUANT_MAX_TOKENS if config.quantize == "auto" else 0
-        self.quant_max_logits_rows = QUANT_MAX_LOGITS_ROWS if config.quantize == "auto" else 0
 
     def run(self, batch: StepBatch) -> list[SampledToken]:
         """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order."""
@@ -69,7 +68,7 @@ class ModelRunner:
             if not sample_index:
                 return []
             rows = hidden[torch.tensor(sample_index)]
-            logits = self.model.compute_logits(rows, len(sample_index) <= self.quant_max_logits_rows)
+            logits = self.model.compute_logits(rows)
             return self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
 
     def warmup(self) -> None:
@@ -86,7 +85,7 @@ class ModelRunner:
                 self._stage = None
                 input_ids, ctx, _, _ = self._prepare(batch)
                 hidden = self.model(input_ids, ctx, self.kv_caches)
-                self.model.compute_logits(hidden[-1:], True)
+                self.model.compute_logits(hidden[-1:])
         self._stage = None
 
     def _slots(self, chunk: SeqChunk, start: int, end: int) -> list[int]:

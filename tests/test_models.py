@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import build_tokenizer, save_tiny_gpt2, save_tiny_llama
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -105,18 +106,18 @@ def test_unknown_path_and_architecture(tmp_path: Path) -> None:
         load_model(EngineConfig(model=str(tmp_path / "weird")))
 
 
-@pytest.mark.parametrize(("bits", "n", "k"), [(4, 48, 96), (4, 24, 64), (8, 385, 64), (8, 100, 72)])
-def test_quantised_linear_close_to_dense_or_dense_fallback(bits: int, n: int, k: int) -> None:
-    # shapes the kernels cannot take (int4: N % 16, int8: K % 16) keep only the dense weight
+@pytest.mark.parametrize(("n", "k"), [(48, 96), (24, 64)])
+def test_int4_linear_close_to_dense_or_dense_fallback(n: int, k: int) -> None:
     linear = Linear(k, n)
     linear.weight.data = torch.randn(n, k, generator=torch.Generator().manual_seed(0))
-    (linear.quantize_int4 if bits == 4 else linear.quantize_int8)(torch.bfloat16)
+    linear.quantize_int4(torch.bfloat16)
     linear.to(torch.bfloat16)
+    linear.pack()
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     dense, quant = linear(x).float(), linear(x, quant=True).float()
-    supported = n % 16 == 0 if bits == 4 else k % 16 == 0
-    assert linear.qbits == (bits if supported else 0)
-    assert (quant - dense).norm() / dense.norm() < (0.15 if bits == 4 else 0.02)
+    torch.testing.assert_close(dense, F.linear(x, linear.weight).float())
+    assert linear.qbits == (4 if n % 16 == 0 else 0)  # the packing kernel needs N % 16 == 0
+    assert (quant - dense).norm() / dense.norm() < 0.15  # 4 bits of random weights
 
 
 # --- the real default model (SmolLM2-135M-Instruct, converted from the packaged GGUF once, then cached) ---
@@ -171,9 +172,9 @@ def test_default_model_greedy_matches_transformers(default_model_dir: Path, defa
 
 
 def test_default_model_quantised_matches_dense(default_model_dir: Path, default_prompt: list[int]) -> None:
-    # int4 layers (the GGUF's own Q4_1 grid) + int8 lm_head against dense bf16 weights. Free-running greedy text
+    # int4 layers (the GGUF's own Q4_1 grid) against dense bf16 weights. Free-running greedy text
     # drifts apart after a near-tie even between bf16 and float32, so the strict check is a confident answer and
-    # teacher-forced top-1 agreement elsewhere (measured: 143/144 against the float32 model, as for dense bf16).
+    # teacher-forced top-1 agreement elsewhere (measured: 140/144 against the float32 model, dense bf16 142/144).
     dense_config = EngineConfig(dtype="bfloat16", quantize="none", num_kv_blocks=16)
     quant_config = EngineConfig(dtype="bfloat16", quantize="auto", num_kv_blocks=16)
     dense, quant = load_model(dense_config), load_model(quant_config)
@@ -187,4 +188,4 @@ def test_default_model_quantised_matches_dense(default_model_dir: Path, default_
 
     reference = greedy_tokens(dense, dense_config, default_prompt, 32)
     forced = greedy_tokens(quant, quant_config, default_prompt, 32, forced=reference)
-    assert sum(a == b for a, b in zip(forced, reference)) >= 27  # 31/32 here; other prompts 28-32
+    assert sum(a == b for a, b in zip(forced, reference)) >= 27  # 30/32 here; other prompts 32/32

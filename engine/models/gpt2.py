@@ -91,9 +91,9 @@ class GPT2LMHeadModel(nn.Module):
             h = block(h, ctx, kv_cache)
         return h
 
-    def compute_logits(self, h: torch.Tensor, quant: bool = False) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[N, hidden] rows to sample -> [N, vocab] float32 logits."""
-        return self.lm_head(self.transformer.ln_f(h), quant).float()
+        return self.lm_head(self.transformer.ln_f(h)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

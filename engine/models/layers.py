@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP_SIZE = 32
+PACK_BATCH_HINT = 32  # rows oneDNN lays a packed weight out for; any M works (measured: best across 1..512)
 
 
 @dataclass
@@ -75,7 +76,8 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.qbits = 0  # 0: no quantised copy; 4 or 8
+        self.packed: torch.Tensor | None = None  # oneDNN's pre-packed copy of weight, see pack()
+        self.qbits = 0  # 0: no quantised copy; 4: int4 groups
         self.qweight: torch.Tensor | None = None
         self.qscales: torch.Tensor | None = None
 
@@ -95,23 +97,18 @@ class Linear(nn.Module):
         self.qscales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(dtype)  # [K / group, N, 2]
         self.qbits = 4
 
-    def quantize_int8(self, dtype: torch.dtype) -> None:
-        """Symmetric per-row int8."""
-        w = self.weight.detach().float()
-        if w.shape[1] % 16:  # the kernel returns garbage (or crashes) for other K
-            return
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)
-        self.qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.qscales = scale.to(dtype)
-        self.qbits = 8
+    def pack(self) -> None:
+        """Keep the bf16 weight in oneDNN's blocked layout too: F.linear re-lays it out on every call
+        (measured: 2.7x faster at M=1, 1.3x at M=32, same results)."""
+        if self.weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:
         if not quant or not self.qbits:
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return F.linear(x, self.weight, self.bias)
-        if self.qbits == 4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.qscales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.qscales)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.qscales)
         return y if self.bias is None else y + self.bias
 
 

@@ -97,9 +97,9 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, ctx, kv_cache)
         return h
 
-    def compute_logits(self, h: torch.Tensor, quant: bool = False) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[N, hidden] rows to sample -> [N, vocab] float32 logits."""
-        return self.lm_head(self.model.norm(h), quant).float()
+        return self.lm_head(self.model.norm(h)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
