@@ -45,7 +45,10 @@ class RequestResult:
     index: int
     start: float  # seconds since the level started
     status: int | None = None  # HTTP status; None when no response arrived
-    admission: float | None = None  # send -> response headers (seconds), 429s included
+    # Request fully written -> response headers (s), 429s included. It leaves out the load generator's own
+    # queueing: in a burst of hundreds, starting every request takes the client's event loop most of a second.
+    admission: float | None = None
+    client_queue: float | None = None  # the send call -> request fully written (connect included)
     ttft: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -148,10 +151,19 @@ async def send_request(
     result = RequestResult(index=spec.index, start=sent - level_start)
     state = _StreamState(result, sent)
     body = build_body(target, spec, options)
+    written: list[float] = []
+
+    async def trace(event: str, info: dict) -> None:
+        if event == "http11.send_request_body.complete":
+            written.append(time.perf_counter())
+
     try:
         async with asyncio.timeout(options.timeout):
-            async with client.stream("POST", target.root + endpoint_path(options), json=body) as response:
-                result.admission = time.perf_counter() - sent
+            url = target.root + endpoint_path(options)
+            async with client.stream("POST", url, json=body, extensions={"trace": trace}) as response:
+                headers = time.perf_counter()
+                start = written[0] if written else sent  # no trace events from a mock transport
+                result.admission, result.client_queue = headers - start, start - sent
                 result.status = response.status_code
                 if response.status_code != 200:
                     text = (await response.aread()).decode("utf-8", errors="replace")

@@ -63,6 +63,7 @@ class LevelResult:
             "output_tokens_per_s": rate(completion, self.duration),
             "total_tokens_per_s": rate(completion + prompt, self.duration),
             "admission_s": summarize(r.admission for r in self.requests if r.admission is not None),
+            "client_queue_s": summarize(r.client_queue for r in self.requests if r.client_queue is not None),
             "ttft_s": summarize(r.ttft for r in ok if r.ttft is not None),
             "itl_s": summarize(gap for r in ok for gap in r.itl),
             "e2e_s": summarize(r.e2e for r in ok if r.e2e is not None),
