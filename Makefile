@@ -25,6 +25,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: install
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench $(ARGS)
 
 bench-offline: install

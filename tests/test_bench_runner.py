@@ -162,7 +162,6 @@ def test_report_outputs(tmp_path) -> None:
     again, config = report.read_json(tmp_path / "out.json")
     assert config == {"url": "x"} and report.table(again) == text
     assert report.table(levels, markdown=True).splitlines()[1].startswith("| --- |")
-    pytest.importorskip("matplotlib")
     report.plot(tmp_path / "out.png", levels)
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
 
