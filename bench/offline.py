@@ -37,14 +37,8 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def bench_sluice(args, llm, prompts: list[list[int]]) -> dict[str, float]:
-    from engine import SamplingParams
-
-    def run(batch: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        outs = llm.generate(batch, params, use_tqdm=False)
-        assert all(len(o.token_ids) == max_tokens for o in outs)
-
+def measure(args, run: Callable[[list[list[int]], int], None], prompts: list[list[int]]) -> dict[str, float]:
+    """run(batch, max_tokens) generates exactly max_tokens per prompt. Decode rate excludes the first token."""
     run(prompts[:1], 4)  # warm-up
     t_first = min(timed(lambda: run(prompts[:1], 1)) for _ in range(2))
     t_all = timed(lambda: run(prompts[:1], args.output_tokens))
@@ -53,6 +47,17 @@ def bench_sluice(args, llm, prompts: list[list[int]]) -> dict[str, float]:
         "single_decode_tok_s": (args.output_tokens - 1) / (t_all - t_first),
         "batch_tok_s": args.num_requests * args.output_tokens / t_batch,
     }
+
+
+def bench_sluice(args, llm, prompts: list[list[int]]) -> dict[str, float]:
+    from engine import SamplingParams
+
+    def run(batch: list[list[int]], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert all(len(o.token_ids) == max_tokens for o in outs)
+
+    return measure(args, run, prompts)
 
 
 def bench_transformers(args, model_dir: str, prompts: list[list[int]]) -> dict[str, float]:
@@ -78,14 +83,7 @@ def bench_transformers(args, model_dir: str, prompts: list[list[int]]) -> dict[s
             )
         assert out.shape[1] == width + max_tokens
 
-    run(prompts[:1], 4)
-    t_first = min(timed(lambda: run(prompts[:1], 1)) for _ in range(2))
-    t_all = timed(lambda: run(prompts[:1], args.output_tokens))
-    t_batch = timed(lambda: run(prompts, args.output_tokens))
-    return {
-        "single_decode_tok_s": (args.output_tokens - 1) / (t_all - t_first),
-        "batch_tok_s": args.num_requests * args.output_tokens / t_batch,
-    }
+    return measure(args, run, prompts)
 
 
 def main() -> None:
