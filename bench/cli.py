@@ -98,13 +98,16 @@ def peer_target(spec: str) -> Target:
     return Target(name or urlsplit(url).netloc, url)
 
 
-async def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[list[Target], str | None]:
+async def start_servers(
+    args: argparse.Namespace, stack: ExitStack
+) -> tuple[list[Target], str | None, dict[str, servers.ManagedServer]]:
     """Starts each server and waits for it before the next, so model loads do not fight over the cores."""
     wanted = args.servers.split(",")
     hf_dir = servers.resolve_hf_model_dir(args.hf_model_dir)
     if hf_dir is None and any(name.startswith("transformers") for name in wanted):
         raise SystemExit("bench: transformers serve needs a Hugging Face folder: pass --hf-model-dir PATH")
-    started = []
+    started: list[Target] = []
+    managed: dict[str, servers.ManagedServer] = {}
     for name in wanted:
         port = servers.free_port()
         url = f"http://127.0.0.1:{port}"
@@ -119,7 +122,8 @@ async def start_servers(args: argparse.Namespace, stack: ExitStack) -> tuple[lis
         print(f"bench: waiting for {name} ({server.log_path})", file=sys.stderr)
         await servers.wait_ready(server, args.startup_timeout)
         started.append(target)
-    return started, hf_dir
+        managed[name] = server
+    return started, hf_dir, managed
 
 
 async def prepare_target(target: Target, specs: list, options: RequestOptions, warmup: int) -> Target:
@@ -141,7 +145,10 @@ async def prepare_target(target: Target, specs: list, options: RequestOptions, w
 
 
 async def measure(
-    args: argparse.Namespace, targets: list[Target], counter: TokenCounter | None
+    args: argparse.Namespace,
+    targets: list[Target],
+    counter: TokenCounter | None,
+    started: dict[str, servers.ManagedServer] | None = None,
 ) -> tuple[list[Target], list[LevelResult]]:
     options = RequestOptions(args.endpoint, args.temperature, args.ignore_eos, args.include_usage, args.timeout)
     warm = build_workload(args.warmup, args.prompt_tokens, LengthDist("fixed", 16), args.seed + 7919, counter=counter)
@@ -155,9 +162,11 @@ async def measure(
         specs = build_workload(num_requests(args, shape), args.prompt_tokens, args.output_tokens, args.seed,
                                args.shared_prefix, counter)
         for target in targets:  # interleaved: every server at this level before the next level
+            servers.focus(started or {}, target.name)
             levels.append(await _run_with_progress(args, target, specs, shape, options))
             if args.json:  # after every level: an interrupted run keeps what it measured
                 report.write_json(args.json, levels, run_config(args, targets))
+    servers.focus(started or {}, None)
     return targets, levels
 
 
@@ -205,14 +214,15 @@ async def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         targets: list[Target] = []
         hf_dir = None
+        started: dict[str, servers.ManagedServer] = {}
         if args.compare:
-            targets, hf_dir = await start_servers(args, stack)
+            targets, hf_dir, started = await start_servers(args, stack)
         else:
             targets = [Target(urlsplit(args.url).netloc or args.url, args.url, args.model)]
         targets += [peer_target(spec) for spec in args.peer]
         tokenizer_dir = args.tokenizer or hf_dir
         counter = load_token_counter(tokenizer_dir) if tokenizer_dir else None
-        targets, levels = await measure(args, targets, counter)
+        targets, levels = await measure(args, targets, counter, started)
     if args.json:
         print(f"bench: wrote {args.json}", file=sys.stderr)
     show(args, levels)

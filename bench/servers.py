@@ -94,10 +94,20 @@ async def wait_ready(server: ManagedServer, timeout: float = 600.0) -> None:
     raise TimeoutError(f"{server.target.name} not ready after {timeout:g} s; log tail:\n{server.log_tail()}")
 
 
+def focus(started: dict[str, ManagedServer], name: str | None) -> None:
+    """Pause (SIGSTOP) every started server but `name` (None: resume all). An idle peer is not idle on this
+    CPU (transformers serve --continuous-batching keeps a core busy), so it must not run while another is measured."""
+    for server_name, server in started.items():
+        if server.process.poll() is None:
+            is_measured = name is None or server_name == name
+            os.killpg(server.process.pid, signal.SIGCONT if is_measured else signal.SIGSTOP)
+
+
 def stop(server: ManagedServer, grace: float = 30.0) -> None:
     if server.process.poll() is not None:
         return
     try:
+        os.killpg(server.process.pid, signal.SIGCONT)  # a paused server cannot handle SIGTERM
         os.killpg(server.process.pid, signal.SIGTERM)
         server.process.wait(timeout=grace)
     except subprocess.TimeoutExpired:

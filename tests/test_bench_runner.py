@@ -178,3 +178,31 @@ def test_cli_levels_and_peers() -> None:
     assert peer_target("llama=http://127.0.0.1:9000") == Target("llama", "http://127.0.0.1:9000")
     assert peer_target("http://127.0.0.1:9000/v1").name == "127.0.0.1:9000"
     assert Target("x", "http://127.0.0.1:9000/v1/").root == "http://127.0.0.1:9000"
+
+
+def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> None:
+    import subprocess
+    from pathlib import Path
+
+    from bench import servers
+    from bench.client import Target
+
+    def state(process: subprocess.Popen) -> str:
+        return Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0]
+
+    started = {
+        name: servers.ManagedServer(
+            Target(name, "http://127.0.0.1:1"), subprocess.Popen(["sleep", "60"], start_new_session=True), tmp_path
+        )
+        for name in ("a", "b")
+    }
+    try:
+        servers.focus(started, "a")
+        assert [state(s.process) == "T" for s in started.values()] == [False, True]  # T: stopped
+        servers.focus(started, None)
+        assert [state(s.process) == "T" for s in started.values()] == [False, False]
+        servers.focus(started, "b")
+    finally:
+        for server in started.values():
+            servers.stop(server, grace=5)  # resumes a paused server so that SIGTERM ends it
+    assert all(s.process.returncode is not None for s in started.values())
