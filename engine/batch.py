@@ -56,14 +56,6 @@ class SeqChunk:
 class StepBatch:
     chunks: list[SeqChunk] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for c in self.chunks if c.sampling is not None)
-
 
 @dataclass(slots=True)
 class SampledToken:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -135,7 +134,3 @@ def load_config(
 def engine_config(**overrides: Any) -> EngineConfig:
     """An EngineConfig from config.toml's [engine] section with keyword overrides (the offline API's path)."""
     return load_config(engine_overrides=overrides, environ={}).engine
-
-
-def replace(config: Any, **changes: Any) -> Any:
-    return dataclasses.replace(config, **changes)

@@ -69,15 +69,3 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    @property
-    def max_stop_len(self) -> int:
-        return max((len(s) for s in self.stop), default=0)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from engine.config import EngineConfig
 from engine.llm import LLM
 
 
@@ -36,7 +35,3 @@ def assert_pool_full(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests
     assert engine.num_free_blocks == engine.num_total_blocks, (engine.num_free_blocks, engine.num_total_blocks)
-
-
-def engine_config_for(model_dir: Path | str, **overrides) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), **overrides)
