@@ -1,8 +1,10 @@
-"""The async shell around LLMEngine: bounded admission, per-request output streams, the step loop, drain.
+"""The async shell around LLMEngine: input processing off the loop, bounded admission, the step loop, a
+watchdog, per-request output streams, drain.
 
-Only the event-loop thread touches engine state; the forward pass (LLMEngine.execute) runs in one worker
-thread at a time. Everything here except run() and drain() is synchronous, so the HTTP handlers that call
-submit() and abort() never wait on the engine.
+Request state in this shell lives in two maps: `_streams` (every accepted, unfinished request) and `_pending`
+(the accepted requests not yet handed to the scheduler, bounded by max_pending). Everything except run(),
+drain() and prepare_*() is synchronous, so the HTTP handlers that call submit() and abort() never wait on the
+engine. Only the event-loop thread touches engine state; the forward pass runs in one worker thread at a time.
 """
 
 from __future__ import annotations
@@ -10,29 +12,39 @@ from __future__ import annotations
 import enum
 import gc
 import logging
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.outputs import RequestOutput
+from engine.errors import InvalidRequest
+from engine.input_processor import Prompt, PreparedRequest
+from engine.outputs import FinishReason, RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.llm_engine import LLMEngine, StepPlan
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ENGINE_FAILED = "the engine failed; the server is shutting down"
+WATCHDOG_INTERVAL = 0.25  # seconds between the watchdog's looks at the step and the readers
+STOP_MARGIN = 2.0  # seconds a stopping loop may still spend finishing its forward pass before it is abandoned
 
 
 class EngineState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"
+    STALLED = "stalled"  # a forward pass ran past step_timeout; the process is about to exit
     STOPPED = "stopped"
     DEAD = "dead"
 
@@ -51,6 +63,10 @@ class EngineUnavailable(AdmissionError):
         self.state = state
 
 
+class _Abandoned(Exception):
+    """The forward pass was left running in its thread: the engine must not be touched again."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     state: str
@@ -62,143 +78,105 @@ class EngineStats:
     prefix_cache_hit_rate: float
 
 
-class RequestStream:
-    """One request's deltas, in order; the last one has finished=True. Iterate it with `async for`."""
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.arrival_time = time.perf_counter()
-        self.admitted_time: float | None = None  # when the loop handed it to the scheduler
-        self.cancelled = False  # aborted while still in the admission queue: the loop drops it
-        # Unbounded on purpose: the loop must never block on a slow reader, and a request yields at most
-        # max_tokens + 1 deltas.
-        self._send: MemoryObjectSendStream[RequestOutput]
-        self._receive: MemoryObjectReceiveStream[RequestOutput]
-        self._send, self._receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise StopAsyncIteration from None
-
-    def close(self) -> None:
-        """The reader is gone: later deliveries fail and the request is aborted."""
-        self._receive.close()
-
-    def _push(self, output: RequestOutput) -> bool:
-        try:
-            self._send.send_nowait(output)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
-        if output.finished:
-            self._send.close()
-        return True
-
-    def _terminal(self, finish_reason: str, error: str | None = None) -> RequestOutput:
-        """The final delta of a request that the engine itself cannot end (queued, or the loop is gone)."""
-        output = RequestOutput(self.request_id, [], "", True, finish_reason, error=error)
-        output.num_prompt_tokens = len(self.prompt_token_ids)
-        return output
-
-
 class AsyncEngine:
-    def __init__(self, load_engine: Callable[[], LLMEngine], *, max_pending: int) -> None:
+    def __init__(
+        self,
+        load_engine: Callable[[], LLMEngine],
+        *,
+        max_pending: int,
+        step_timeout: float = 120.0,
+        client_read_timeout: float = 30.0,
+        on_forward_abandoned: Callable[[], None] | None = None,
+    ) -> None:
+        """on_forward_abandoned: called once if a forward pass is left running (a stall, or a stop that could
+        not wait for it); the process should then exit soon, since that thread cannot be stopped."""
         self._load_engine = load_engine
         self._engine: LLMEngine | None = None
         self._state = EngineState.LOADING
-        self._pending_send, self._pending_receive = anyio.create_memory_object_stream[RequestStream](max_pending)
-        self._requests: dict[str, RequestStream] = {}  # every accepted, unfinished request
+        self.max_pending = max_pending
+        self.step_timeout = step_timeout
+        self.client_read_timeout = client_read_timeout
+        self._on_forward_abandoned = on_forward_abandoned
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[str, RequestStream] = {}  # insertion order is admission order
+        self._aborts: set[str] = set()  # admitted requests whose streams ended: freed by the loop between steps
         self._wakeup = anyio.Event()
         self._stop_requested = False
         self._all_finished: anyio.Event | None = None  # set during drain once no request is left
-        self._num_cancelled_pending = 0  # aborted but still in the admission stream until the loop drops them
+        self._loop_done = anyio.Event()
+        self._input_slot = anyio.CapacityLimiter(1)  # tokenization and templates: never more than one thread
+        self._forward_slot = anyio.CapacityLimiter(1)
+        self._forward_scope: anyio.CancelScope | None = None
+        self._forward_started: float | None = None  # monotonic start of the running forward pass
+        self.is_forward_abandoned = False
 
-    # -- state seen by the HTTP layer --------------------------------------------------------------------
+    # -- the public face the HTTP layer uses ---------------------------------------------------------------
     @property
     def state(self) -> EngineState:
         return self._state
 
     @property
-    def loaded(self) -> bool:
+    def is_loaded(self) -> bool:
         return self._engine is not None
 
     @property
-    def engine(self) -> LLMEngine:
-        if self._engine is None:
-            raise EngineUnavailable(self._state)
-        return self._engine
+    def model_name(self) -> str:
+        return self._loaded_engine().model_name
 
     @property
-    def num_pending(self) -> int:
-        return self._pending_receive.statistics().current_buffer_used - self._num_cancelled_pending
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._loaded_engine().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded_engine().max_model_len
 
     def stats(self) -> EngineStats:
         engine = self._engine
-        if engine is None or self._state is EngineState.DEAD:
-            return EngineStats(self._state.value, 0, 0, self.num_pending, 0, 0, 0.0)
+        if engine is None or self._state in (EngineState.DEAD, EngineState.STALLED):
+            return EngineStats(self._state.value, 0, 0, len(self._pending), 0, 0, 0.0)
         return EngineStats(
             state=self._state.value,
             waiting=engine.num_waiting,
             running=engine.num_running,
-            pending=self.num_pending,
+            pending=len(self._pending),
             free_kv_blocks=engine.num_free_blocks,
             total_kv_blocks=engine.num_total_blocks,
             prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
         )
 
-    def _ready_engine(self) -> LLMEngine:
-        if self._state is not EngineState.READY or self._engine is None:
-            raise EngineUnavailable(self._state)
-        return self._engine
+    async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        """Tokenize and check in a worker thread. InvalidRequest: bad input; EngineUnavailable: 503."""
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.process_prompt, request_id, prompt, params))
 
-    # -- called by request handlers (synchronous) ----------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self._ready_engine().encode_prompt(prompt)
+    async def prepare_chat(
+        self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
+    ) -> PreparedRequest:
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.process_chat, request_id, messages, params, **template_kwargs))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self._ready_engine().encode_chat(messages)
-
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a tokenized request. ValueError: too long; QueueFull: 429; EngineUnavailable: 503."""
-        engine = self._ready_engine()
-        engine.check_request(len(prompt_token_ids), params)
-        stream = RequestStream(request_id, prompt_token_ids, params)
-        try:
-            self._pending_send.send_nowait(stream)
-        except anyio.WouldBlock:
-            raise QueueFull(f"{self.num_pending} requests are already waiting for admission") from None
-        self._requests[request_id] = stream
+    def submit(self, request: PreparedRequest) -> RequestStream:
+        """Queue a prepared request. QueueFull: 429; EngineUnavailable: 503."""
+        self._ready_engine()
+        if request.request_id in self._streams:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        if len(self._pending) >= self.max_pending:
+            raise QueueFull(f"{len(self._pending)} requests are already waiting for admission")
+        stream = RequestStream(request)
+        self._streams[request.request_id] = self._pending[request.request_id] = stream
         self._wakeup.set()
         return stream
 
     def abort(self, request_id: str) -> bool:
-        """Idempotent. True when the request was still unfinished (it then gets a final "abort" delta)."""
-        stream = self._requests.pop(request_id, None)
-        if stream is None:
-            return False
-        final = None
-        if stream.admitted_time is None:
-            self._cancel_pending(stream)
-        elif self._engine is not None and self._state is not EngineState.DEAD:
-            final = self._engine.abort(request_id)
-        stream._push(final if final is not None else stream._terminal("abort"))
-        self._note_finished()
-        return True
+        """End a request now (its stream gets an "abort" finish). Idempotent; True if it was unfinished.
 
-    def _cancel_pending(self, stream: RequestStream) -> None:
-        if not stream.cancelled:
-            stream.cancelled = True
-            self._num_cancelled_pending += 1
+        A queued request frees its admission slot at once; an admitted one is freed by the loop between steps."""
+        return self._end(request_id, FinishReason.ABORT)
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Load and warm the engine (in a worker thread), report started, then step until drained."""
+        """Load and warm the engine (in a worker thread), report started, then step until stopped."""
         try:
             self._engine = await anyio.to_thread.run_sync(self._load_engine)
         except anyio.get_cancelled_exc_class():
@@ -216,23 +194,27 @@ class AsyncEngine:
             self._state = EngineState.READY
         task_status.started()
         try:
-            await self._step_until_stopped()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, tg.cancel_scope)
+                await self._step_until_stopped(self._engine)
+                tg.cancel_scope.cancel()
         except anyio.get_cancelled_exc_class():
-            self._abort_everything()
+            self._end_everything(FinishReason.ABORT)
             self._state = EngineState.STOPPED
             raise
-        except BaseException as exc:
+        except BaseException:
             self._state = EngineState.DEAD
             logger.exception("the engine loop failed; ending every open request")
-            message = f"the engine failed: {exc!r}"
-            self._end_everything(lambda stream: stream._terminal("error", message))
+            self._end_everything(FinishReason.ERROR, ENGINE_FAILED)
             raise
-        self._state = EngineState.STOPPED
+        finally:
+            self._loop_done.set()
+        if self._state is not EngineState.STALLED:
+            self._state = EngineState.STOPPED
 
-    async def _step_until_stopped(self) -> None:
-        engine = self.engine
-        forward_pass_slot = anyio.CapacityLimiter(1)
+    async def _step_until_stopped(self, engine: LLMEngine) -> None:
         while not self._stop_requested:
+            self._apply_aborts(engine)
             self._admit_pending(engine)
             plan = engine.schedule_step()
             if plan is None:
@@ -240,75 +222,138 @@ class AsyncEngine:
                 self._wakeup = anyio.Event()
                 continue
             try:
-                # Never abandon_on_cancel: the limiter would be released while the thread still runs. The
-                # shield lets a cancelled loop still finish the step, so the engine is left consistent.
-                with anyio.CancelScope(shield=True):
-                    sampled = await anyio.to_thread.run_sync(engine.execute, plan, limiter=forward_pass_slot)
-            except Exception as exc:
-                logger.exception("a forward pass failed; failing its requests")
-                outputs = engine.fail_step(plan, exc)
+                sampled = await self._forward(engine, plan)
+            except _Abandoned:
+                return
+            except Exception as error:
+                outputs = engine.fail_step(plan, error)
             else:
                 outputs = engine.finish_step(plan, sampled)
             self._deliver(outputs)
+        self._apply_aborts(engine)
+
+    async def _forward(self, engine: LLMEngine, plan: StepPlan) -> list:
+        # Shielded, so that cancelling the loop still lets the step finish and leaves the engine consistent;
+        # only the watchdog or a stop that cannot wait cancels this scope itself, and then the thread is
+        # abandoned (abandon_on_cancel) and the engine is never used again, so no two passes can overlap.
+        self._forward_started = time.monotonic()
+        try:
+            with anyio.CancelScope(shield=True) as scope:
+                self._forward_scope = scope
+                return await anyio.to_thread.run_sync(
+                    engine.execute, plan, limiter=self._forward_slot, abandon_on_cancel=True
+                )
+            raise _Abandoned
+        finally:
+            self._forward_scope = self._forward_started = None
+
+    def _abandon_forward(self) -> None:
+        if self._forward_scope is None or self.is_forward_abandoned:
+            return
+        self.is_forward_abandoned = True
+        self._forward_scope.cancel()
+        if self._on_forward_abandoned is not None:
+            self._on_forward_abandoned()
 
     def _admit_pending(self, engine: LLMEngine) -> None:
         # Pull only while the scheduler has room, so that max_pending really bounds the waiting requests.
-        while engine.num_waiting + engine.num_running < engine.config.max_num_seqs:
-            try:
-                stream = self._pending_receive.receive_nowait()
-            except anyio.WouldBlock:
-                return
-            if stream.cancelled:
-                self._num_cancelled_pending -= 1
-                continue
-            try:
-                engine.add_request(stream.request_id, stream.prompt_token_ids, stream.params)
-            except ValueError as exc:
-                self._requests.pop(stream.request_id, None)
-                stream._push(stream._terminal("error", str(exc)))
-                self._note_finished()
-                continue
+        while self._pending and engine.num_waiting + engine.num_running < engine.config.max_num_seqs:
+            request_id = next(iter(self._pending))
+            stream = self._pending.pop(request_id)
+            engine.add_prepared(stream.request)
             stream.admitted_time = time.perf_counter()
+
+    def _apply_aborts(self, engine: LLMEngine) -> None:
+        aborts, self._aborts = self._aborts, set()
+        for request_id in aborts:
+            engine.abort(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            stream = self._requests.get(output.request_id)
+            stream = self._streams.get(output.request_id)
             if stream is None:
-                continue
-            if not stream._push(output):
-                self.abort(output.request_id)  # the reader went away: BrokenResourceError means abort
+                continue  # ended meanwhile (abort or drain): the engine frees it before the next step
+            if not stream.push(output):
+                self.abort(output.request_id)  # the reader went away
             elif output.finished:
-                del self._requests[output.request_id]
+                del self._streams[output.request_id]
                 self._note_finished()
 
-    def _end_everything(self, terminal: Callable[[RequestStream], RequestOutput]) -> None:
-        requests, self._requests = self._requests, {}
-        for stream in requests.values():
-            if stream.admitted_time is None:
-                self._cancel_pending(stream)
-            stream._push(terminal(stream))
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        if self._pending.pop(request_id, None) is None:
+            self._aborts.add(request_id)
+            self._wakeup.set()
+        stream.end(reason, error)
         self._note_finished()
+        return True
+
+    def _end_everything(self, reason: FinishReason, error: str | None = None) -> None:
+        for request_id in list(self._streams):
+            self._end(request_id, reason, error)
+
+    # -- the watchdog ---------------------------------------------------------------------------------------
+    async def _watch(self, loop_scope: anyio.CancelScope) -> None:
+        """A forward pass past step_timeout stalls the engine: every stream ends with an error and the loop
+        stops (the process then exits). A reader that leaves output unread past client_read_timeout is aborted."""
+        while True:
+            await anyio.sleep(WATCHDOG_INTERVAL)
+            now = time.monotonic()
+            started = self._forward_started
+            if started is not None and now - started > self.step_timeout:
+                logger.error("a forward pass has run for %.0f s (step_timeout %.0f s): the engine is stalled",
+                             now - started, self.step_timeout)  # fmt: skip
+                self._state = EngineState.STALLED
+                self._end_everything(FinishReason.ERROR, f"the engine stalled (a step ran over {self.step_timeout:g} s)")
+                self._stop_requested = True
+                self._abandon_forward()
+                return
+            for stream in [s for s in self._streams.values() if s.unread_since is not None]:
+                if now - stream.unread_since > self.client_read_timeout:
+                    logger.info("request %s: output unread for %.0f s; aborting it", stream.request_id,
+                                now - stream.unread_since)  # fmt: skip
+                    self.abort(stream.request_id)
+                    if stream.on_read_timeout is not None:
+                        stream.on_read_timeout()
 
     # -- drain ----------------------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
-        """Stop admitting, let in-flight requests finish within `timeout`, abort the rest, stop the loop."""
+        """Stop admitting, let in-flight requests finish within `timeout`, abort the rest, stop the loop.
+
+        Returns within timeout + STOP_MARGIN even when a forward pass is stuck: that pass is then abandoned."""
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
-        if self._requests:
+        if self._streams:
             self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
-        self._abort_everything()
+        self._end_everything(FinishReason.ABORT)
         self._stop_requested = True
         self._wakeup.set()
+        if self._engine is None:
+            return
+        with anyio.move_on_after(STOP_MARGIN):
+            await self._loop_done.wait()
+        if not self._loop_done.is_set():
+            logger.error("a forward pass did not finish within the drain: abandoning it")
+            self._abandon_forward()
 
-    def _abort_everything(self) -> None:
-        for request_id in [rid for rid, s in self._requests.items() if s.admitted_time is None]:
-            self.abort(request_id)
-        if self._engine is not None and self._state is not EngineState.DEAD:
-            self._deliver(self._engine.abort_all())
-        self._end_everything(lambda stream: stream._terminal("abort"))
+    # -- internals ------------------------------------------------------------------------------------------
+    def _loaded_engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineUnavailable(self._state)
+        return self._engine
+
+    def _ready_engine(self) -> LLMEngine:
+        if self._state is not EngineState.READY or self._engine is None:
+            raise EngineUnavailable(self._state)
+        return self._engine
+
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(work, limiter=self._input_slot)
 
     def _note_finished(self) -> None:
-        if not self._requests and self._all_finished is not None:
+        if not self._streams and self._all_finished is not None:
             self._all_finished.set()

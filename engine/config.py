@@ -59,6 +59,8 @@ class ServerConfig:
     retry_after_seconds: int = 1
     backlog: int = 2048
     graceful_timeout: float = 5.0
+    step_timeout: float = 120.0
+    client_read_timeout: float = 30.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -70,6 +72,8 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.body_timeout <= 0 or self.graceful_timeout < 0 or self.backlog < 1:
             raise ValueError("body_timeout must be > 0, graceful_timeout >= 0 and backlog >= 1")
+        if self.step_timeout <= 0 or self.client_read_timeout <= 0:
+            raise ValueError("step_timeout and client_read_timeout must be > 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
 

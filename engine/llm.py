@@ -37,7 +37,7 @@ class LLM:
         """Generate for each prompt (a string or a list of token ids); results in the order given."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        token_lists = [self.engine.encode_prompt(p) for p in prompts]
+        token_lists = [self.engine.input_processor.encode_prompt(p) for p in prompts]
         return self._run(token_lists, params, use_tqdm)
 
     def chat(
@@ -48,7 +48,7 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [self.engine.encode_chat(list(c)) for c in conversations]
+        token_lists = [self.engine.input_processor.encode_chat(list(c)) for c in conversations]
         return self._run(token_lists, params, use_tqdm)
 
     def _run(

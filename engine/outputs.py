@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.batch import SampledToken
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended. A str, so it compares equal to (and serialises as) OpenAI's strings."""
+
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client left, the server drained, or the client did not read in time
+    ERROR = "error"  # this request failed; `error` says why in words fit for the client
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(slots=True)
@@ -17,13 +28,24 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str  # well-formed UTF-8; partial characters and possible stop-string starts are held back
     finished: bool = False
-    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    finish_reason: FinishReason | None = None  # set once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # output tokens so far, this step's included
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[SampledToken] | None = None  # one per new token when the request asked for logprobs
     error: str | None = None  # set when finish_reason == "error"
+
+    def absorb(self, later: RequestOutput) -> None:
+        """Coalesce a later delta of the same request into this one, as if both had come in one step."""
+        self.new_token_ids.extend(later.new_token_ids)
+        self.text_delta += later.text_delta
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.stop_reason, self.error = later.stop_reason, later.error
 
 
 @dataclass(slots=True)
@@ -34,7 +56,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     logprobs: list[SampledToken] | None = None

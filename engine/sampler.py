@@ -12,6 +12,11 @@ Measured on this CPU for 32 x 49152 float32 logits on one thread: torch.argmax, 
 - top-p works by rejection (as FlashInfer does), not by sorting: sample, accept the token if the tokens more
   likely than it hold less than top_p of the mass (usually a scalar test, else one pass over one row),
   otherwise zero every token no more likely than it (none of them is in the nucleus) and sample again.
+
+The sampler is total: for any finite parameters every row yields a token in bounded time. Penalties and
+temperatures at the float edges can overflow logits to inf or NaN; those are made finite (NaN: never chosen)
+before the softmax, a row with nothing left samples uniformly, and rejection sampling gives up after
+_MAX_TOP_P_ROUNDS for an exact top-p by sorting the rows still pending.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 # Below this a temperature would overflow logits / temperature; such rows are greedy (as in vLLM).
 _MIN_TEMPERATURE = 1e-5
+# Rejection rounds for top-p; each zeroes at least the rejected token, and a few rounds nearly always do.
+_MAX_TOP_P_ROUNDS = 16
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
@@ -150,6 +158,26 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, torch.searchsorted(inner, rest).clamp_(max=_BLOCK - 1)).squeeze(1)
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] logits with NaN as -inf and +inf as the largest float; a row with no finite value becomes all 0
+    (uniform), so that softmax always gives a distribution."""
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT32_MAX)
+    is_empty = x.amax(dim=-1) == float("-inf")
+    if bool(is_empty.any()):
+        x[is_empty] = 0.0
+    return x
+
+
+def _sorted_top_p(probs: torch.Tensor, nucleus_masses: list[float]) -> torch.Tensor:
+    """[R, V] weights -> the same weights with everything outside each row's nucleus zeroed (by sorting): a
+    token stays when the tokens more likely than it hold less than the row's nucleus mass."""
+    values, order = probs.sort(dim=-1, descending=True)
+    mass_before = values.cumsum(dim=-1) - values
+    keep = mass_before < torch.tensor(nucleus_masses, dtype=probs.dtype).unsqueeze(1)
+    keep[:, 0] = True  # the most likely token is always in the nucleus
+    return torch.zeros_like(probs).scatter_(1, order, values * keep)
+
+
 class Sampler:
     """Chooses one token per row of [N, V] logits; see SamplingRow for the parameters.
 
@@ -204,7 +232,7 @@ class Sampler:
         temperatures = [r.temperature for r in rows]
         if any(t != 1 for t in temperatures):
             x = x / torch.tensor(temperatures, dtype=x.dtype).unsqueeze(1)
-        probs = torch.softmax(x, dim=-1)  # owned here: rejected tokens are zeroed in place
+        probs = torch.softmax(_finite(x), dim=-1)  # owned here: rejected tokens are zeroed in place
         generators: dict[int, torch.Generator] = {}
         for j, row in enumerate(rows):
             if row.seed is not None:
@@ -219,7 +247,9 @@ class Sampler:
 
         tokens = [0] * len(rows)
         pending = list(range(len(rows)))
-        while pending:
+        for _ in range(_MAX_TOP_P_ROUNDS):
+            if not pending:
+                break
             weights = _select_rows(probs, pending)
             chosen = _inverse_cdf(weights, self._uniforms(pending, generators))
             chosen_p = weights.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
@@ -231,6 +261,12 @@ class Sampler:
                     F.threshold_(probs[j], p, 0.0)  # zero every weight <= p: none of them is in the nucleus
                     rejected.append(j)
             pending = rejected
+        if pending:
+            # Rejections zeroed only tokens outside the nucleus, so the nucleus is whole in what is left.
+            exact = _sorted_top_p(_select_rows(probs, pending), [rows[j].top_p * k_mass[j] for j in pending])
+            chosen = _inverse_cdf(exact, self._uniforms(pending, generators))
+            for j, token in zip(pending, chosen.tolist()):
+                tokens[j] = token
         return torch.tensor(tokens, dtype=torch.long)
 
     @staticmethod
@@ -268,7 +304,8 @@ class Sampler:
         """
         if top_p >= 1 or k_mass - p < top_p * k_mass:
             return True
-        return F.threshold(row_probs, p, 0.0).sum().item() < top_p * k_mass
+        more_likely = F.threshold(row_probs, p, 0.0).sum().item()
+        return more_likely == 0 or more_likely < top_p * k_mass  # a most likely token is always in
 
     def _uniforms(self, pending: Sequence[int], generators: dict[int, torch.Generator]) -> torch.Tensor:
         """[len(pending)] numbers in (0, 1]: a seeded row draws from its own generator, the rest from ours."""

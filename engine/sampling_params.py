@@ -1,10 +1,22 @@
-"""Per-request sampling parameters, validated on construction (ValueError on bad input)."""
+"""Per-request sampling parameters, validated on construction (InvalidRequest, a ValueError, on bad input).
+
+Every value accepted here is one the sampler can honour in bounded time: numbers must be finite, and the
+lists a request brings are bounded, because the engine loop checks them on every generated token.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequest
+
 MAX_LOGPROBS = 20
+# OpenAI allows 4 stop strings; vLLM has no bound. Matching runs on the event loop for every generated token,
+# so the bound keeps that work small: 16 strings of up to 256 characters.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _is_int(value: object) -> bool:
@@ -12,7 +24,12 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(condition: bool, param: str, message: str) -> None:
+    if not condition:
+        raise InvalidRequest(message, param=param)
 
 
 @dataclass
@@ -35,37 +52,43 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        max_tokens, min_tokens = self.max_tokens, self.min_tokens
+        _require(max_tokens is None or (_is_int(max_tokens) and max_tokens >= 1), "max_tokens",
+                 f"max_tokens must be an integer >= 1, got {max_tokens!r}")  # fmt: skip
+        _require(_is_int(min_tokens) and min_tokens >= 0, "min_tokens",
+                 f"min_tokens must be an integer >= 0, got {min_tokens!r}")  # fmt: skip
+        _require(max_tokens is None or min_tokens <= max_tokens, "min_tokens",
+                 f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")  # fmt: skip
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+                 f"temperature must be a finite number >= 0, got {self.temperature!r}")  # fmt: skip
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+                 f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")  # fmt: skip
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")  # fmt: skip
+        self._check_stops()
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")  # fmt: skip
+
+    def _check_stops(self) -> None:
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop must be a string or a list of strings")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        stop = self.stop
+        _require(isinstance(stop, list) and all(isinstance(s, str) for s in stop), "stop",
+                 "stop must be a string or a list of strings")  # fmt: skip
+        _require(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        _require(all(s for s in stop), "stop", "stop strings must not be empty")
+        _require(all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), "stop",
+                 f"each stop string must have at most {MAX_STOP_STRING_CHARS} characters")  # fmt: skip
+        ids = self.stop_token_ids
+        _require(isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids",
+                 "stop_token_ids must be a list of non-negative integers")  # fmt: skip
+        _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}")  # fmt: skip

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -102,7 +103,7 @@ class Scheduler:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_full_blocks(chunk.seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence wherever it is (waiting, prefilling, decoding) and free its blocks. Idempotent."""
         if seq.status is SequenceStatus.FINISHED:
             return

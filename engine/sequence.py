@@ -7,7 +7,8 @@ import time
 
 from engine.batch import SampledToken
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.input_processor import PreparedRequest
+from engine.outputs import FinishReason
 
 
 class SequenceStatus(enum.Enum):
@@ -19,21 +20,14 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request. Tokens [0, num_computed_tokens) have their KV in the blocks of block_table."""
 
-    def __init__(
-        self,
-        seq_id: int,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        detokenizer: IncrementalDetokenizer,
-    ) -> None:
+    def __init__(self, seq_id: int, request: PreparedRequest, detokenizer: IncrementalDetokenizer) -> None:
         self.seq_id = seq_id
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
-        self.params = params
-        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
+        self.params = params = request.params
+        self.max_tokens = request.max_tokens  # params.max_tokens, or what the context leaves when that is None
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.detokenizer = detokenizer
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
@@ -43,7 +37,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.is_first_admission = True
         self.logprobs: list[SampledToken] | None = [] if params.logprobs is not None else None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
 

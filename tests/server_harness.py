@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -54,9 +55,22 @@ class ThreadedServer:
 
     def __init__(self, load_engine: Callable[[], Any], wait_ready: bool = True, **server_overrides: Any) -> None:
         self.wait_ready = wait_ready
+        self.abandoned = threading.Event()  # a forward pass was left running (the test must release it)
         self.config = ServerConfig(port=free_port(), **server_overrides)
         self.base_url = f"http://127.0.0.1:{self.config.port}"
-        self.async_engine = AsyncEngine(load_engine, max_pending=self.config.max_pending)
+        self._loaded: list[Any] = []  # the core engine, once loaded: tests check its block pool
+
+        def load_and_keep() -> Any:
+            self._loaded.append(load_engine())
+            return self._loaded[-1]
+
+        self.async_engine = AsyncEngine(
+            load_and_keep,
+            max_pending=self.config.max_pending,
+            step_timeout=self.config.step_timeout,
+            client_read_timeout=self.config.client_read_timeout,
+            on_forward_abandoned=self.abandoned.set,
+        )
         self.app = create_app(self.async_engine, self.config)
         self._exit = ExitStack()
         self._portal: BlockingPortal | None = None
@@ -78,7 +92,7 @@ class ThreadedServer:
 
     @property
     def engine(self) -> Any:
-        return self.async_engine.engine
+        return self._loaded[-1]
 
     def stop(self, timeout: float = 30.0) -> int:
         assert self._portal is not None and self._stop is not None and self._served is not None

@@ -1,7 +1,10 @@
-"""AsyncEngine on the real engine with the tiny model: admission, delivery, abort, drain, failures."""
+"""AsyncEngine on the real engine with the tiny model: preparation, admission, delivery, abort, drain, the
+watchdog, slow readers and failures."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -9,9 +12,12 @@ from typing import Any
 import anyio
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable, QueueFull, RequestStream
+from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable, QueueFull
+from engine.errors import InvalidRequest
+from engine.input_processor import PreparedRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 from server_harness import tiny_engine_config
 
@@ -30,19 +36,34 @@ def make_engine(tiny_llama_dir) -> Callable[..., LLMEngine]:
 
 
 @asynccontextmanager
-async def running(engine: LLMEngine, max_pending: int = 8) -> AsyncIterator[AsyncEngine]:
-    async_engine = AsyncEngine(lambda: engine, max_pending=max_pending)
+async def running(engine: LLMEngine, max_pending: int = 8, **options: Any) -> AsyncIterator[AsyncEngine]:
+    async_engine = AsyncEngine(lambda: engine, max_pending=max_pending, **options)
     async with anyio.create_task_group() as tg:
         await tg.start(async_engine.run)
         yield async_engine
         await async_engine.drain(timeout=5)
 
 
+def prepared(engine: LLMEngine, request_id: str, prompt: str | list[int], **params: Any) -> PreparedRequest:
+    return engine.input_processor.process_prompt(request_id, prompt, SamplingParams(**params))
+
+
 async def collect(stream: RequestStream) -> list[RequestOutput]:
     return [output async for output in stream]
 
 
-def offline_text(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> str:
+def slow_steps(engine: LLMEngine, seconds: float) -> None:
+    """Make every forward pass take at least `seconds`, so that timing-based tests do not race a fast CPU."""
+    real_execute = engine.execute
+
+    def slow_execute(plan: Any) -> Any:
+        time.sleep(seconds)
+        return real_execute(plan)
+
+    engine.execute = slow_execute  # type: ignore[method-assign]
+
+
+def offline_text(engine: LLMEngine, prompt: str, params: SamplingParams) -> str:
     engine.add_request("offline", prompt, params)
     text = ""
     while engine.has_unfinished_requests:
@@ -52,11 +73,12 @@ def offline_text(engine: LLMEngine, prompt: list[int], params: SamplingParams) -
 
 async def test_results_match_the_offline_engine_and_end_once(make_engine) -> None:
     engine = make_engine()
-    prompts = [engine.encode_prompt(p) for p in ("Hello world", "The quick brown fox", "Paged attention")]
+    prompts = ("Hello world", "The quick brown fox", "Paged attention")
     params = SamplingParams(max_tokens=12, **GREEDY)
     expected = [offline_text(engine, p, params) for p in prompts]
     async with running(engine) as async_engine:
-        streams = [async_engine.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        requests = [await async_engine.prepare_prompt(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        streams = [async_engine.submit(r) for r in requests]
         results: list[list[RequestOutput]] = [[] for _ in streams]
 
         async def read(i: int) -> None:
@@ -71,26 +93,59 @@ async def test_results_match_the_offline_engine_and_end_once(make_engine) -> Non
         assert outputs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outputs) == 12
 
 
+async def test_bad_input_is_rejected_while_preparing_naming_the_parameter(make_engine) -> None:
+    engine = make_engine()
+    async with running(engine) as async_engine:
+        with pytest.raises(InvalidRequest, match=r"500.*512|512.*500") as raised:
+            await async_engine.prepare_prompt("long", [5] * 500, SamplingParams(max_tokens=100))
+        assert raised.value.param == "max_tokens"
+        with pytest.raises(InvalidRequest) as raised:
+            await async_engine.prepare_prompt("min", "hi", SamplingParams(max_tokens=None, min_tokens=10**9))
+        assert raised.value.param == "min_tokens"
+        with pytest.raises(InvalidRequest) as raised:
+            await async_engine.prepare_chat("chat", [{"role": "user", "content": "x" * 10**7}], SamplingParams())
+        assert raised.value.param == "messages"
+        assert async_engine.stats().pending == 0
+
+
 async def test_queue_full_when_the_scheduler_has_no_room(make_engine) -> None:
     engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
-    prompt = engine.encode_prompt("Hello world")
     async with running(engine, max_pending=2) as async_engine:
-        blocker = async_engine.submit("blocker", prompt, SamplingParams(max_tokens=200, **GREEDY))
+        blocker = async_engine.submit(prepared(engine, "blocker", "Hello world", max_tokens=200, **GREEDY))
         await anyio.sleep(0.05)  # the loop takes it: the scheduler is now full
-        queued = [async_engine.submit(f"q{i}", prompt, SamplingParams(max_tokens=2, **GREEDY)) for i in range(2)]
+        queued = [async_engine.submit(prepared(engine, f"q{i}", "Hello", max_tokens=2, **GREEDY)) for i in range(2)]
         with pytest.raises(QueueFull):
-            async_engine.submit("rejected", prompt, SamplingParams(max_tokens=2))
-        assert async_engine.num_pending == 2
+            async_engine.submit(prepared(engine, "rejected", "Hello", max_tokens=2))
+        assert async_engine.stats().pending == 2
         for stream in (blocker, *queued):
             assert (await collect(stream))[-1].finish_reason == "length"
 
 
+async def test_a_queued_abort_frees_its_admission_slot_at_once(make_engine) -> None:
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
+    slow_steps(engine, 0.01)
+    async with running(engine, max_pending=2) as async_engine:
+        blocker = async_engine.submit(prepared(engine, "blocker", "Hello world", max_tokens=100, **GREEDY))
+        await anyio.sleep(0.05)
+        for i in range(2):
+            async_engine.submit(prepared(engine, f"gone{i}", "Hello", max_tokens=2, **GREEDY))
+        with pytest.raises(QueueFull):
+            async_engine.submit(prepared(engine, "full", "Hello", max_tokens=2))
+        assert async_engine.abort("gone0") and async_engine.abort("gone1")
+        assert async_engine.stats().pending == 0  # exactly the slots in use, no lag
+        admitted = [async_engine.submit(prepared(engine, f"next{i}", "Hello", max_tokens=2, **GREEDY)) for i in range(2)]
+        async_engine.abort("blocker")
+        assert (await collect(blocker))[-1].finish_reason == "abort"
+        for stream in admitted:
+            assert (await collect(stream))[-1].finish_reason == "length"
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
 async def test_abort_while_queued_and_while_running(make_engine) -> None:
     engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
-    prompt = engine.encode_prompt("Hello world")
     async with running(engine) as async_engine:
-        running_stream = async_engine.submit("running", prompt, SamplingParams(max_tokens=400, **GREEDY))
-        queued = async_engine.submit("queued", prompt, SamplingParams(max_tokens=4, **GREEDY))
+        running_stream = async_engine.submit(prepared(engine, "running", "Hello world", max_tokens=400, **GREEDY))
+        queued = async_engine.submit(prepared(engine, "queued", "Hello world", max_tokens=4, **GREEDY))
         await anyio.sleep(0.05)
         assert async_engine.abort("queued") and not async_engine.abort("queued")
         assert (await collect(queued))[-1].finish_reason == "abort"
@@ -99,16 +154,39 @@ async def test_abort_while_queued_and_while_running(make_engine) -> None:
         assert async_engine.abort("running")
         rest = await collect(running_stream)
         assert rest[-1].finish_reason == "abort" and [o.finished for o in rest].count(True) == 1
-        after = async_engine.submit("after", prompt, SamplingParams(max_tokens=3, **GREEDY))
+        after = async_engine.submit(prepared(engine, "after", "Hello world", max_tokens=3, **GREEDY))
         assert (await collect(after))[-1].finish_reason == "length"
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+
+async def test_an_abort_during_a_forward_pass_is_applied_after_it(make_engine) -> None:
+    engine = make_engine()
+    in_pass, release = threading.Event(), threading.Event()
+    real_execute = engine.execute
+
+    def gated_execute(plan: Any) -> Any:
+        in_pass.set()
+        release.wait(10)
+        return real_execute(plan)
+
+    engine.execute = gated_execute  # type: ignore[method-assign]
+    async with running(engine) as async_engine:
+        stream = async_engine.submit(prepared(engine, "x", "Hello world", max_tokens=50, **GREEDY))
+        await anyio.to_thread.run_sync(in_pass.wait, 10)
+        assert async_engine.abort("x")  # the forward pass is running now: nothing is freed under it
+        assert engine.num_running == 1
+        release.set()
+        assert (await collect(stream))[-1].finish_reason == "abort"
+        with anyio.fail_after(5):
+            while engine.has_unfinished_requests:
+                await anyio.sleep(0.01)
         assert engine.num_free_blocks == engine.num_total_blocks
 
 
 async def test_closed_reader_is_aborted(make_engine) -> None:
     engine = make_engine()
-    prompt = engine.encode_prompt("Hello world")
     async with running(engine) as async_engine:
-        stream = async_engine.submit("gone", prompt, SamplingParams(max_tokens=400, **GREEDY))
+        stream = async_engine.submit(prepared(engine, "gone", "Hello world", max_tokens=400, **GREEDY))
         await stream.__anext__()
         stream.close()
         with anyio.fail_after(5):
@@ -117,14 +195,32 @@ async def test_closed_reader_is_aborted(make_engine) -> None:
         assert engine.num_free_blocks == engine.num_total_blocks
 
 
+async def test_an_unread_stream_holds_one_merged_delta_then_is_aborted(make_engine) -> None:
+    engine = make_engine()
+    slow_steps(engine, 0.01)  # 400 tokens take seconds: longer than the read timeout
+    async with running(engine, client_read_timeout=0.5) as async_engine:
+        stream = async_engine.submit(prepared(engine, "unread", "Hello world", max_tokens=400, **GREEDY))
+        timed_out: list[bool] = []
+        stream.on_read_timeout = lambda: timed_out.append(True)
+        with anyio.fail_after(10):
+            while not stream.is_finished or engine.has_unfinished_requests:
+                await anyio.sleep(0.01)
+        assert timed_out == [True]
+        outputs = await collect(stream)
+        assert len(outputs) == 1  # everything it never read, merged into one delta, ending in the abort
+        assert outputs[0].finished and outputs[0].finish_reason == "abort"
+        assert len(outputs[0].new_token_ids) == outputs[0].num_output_tokens > 1
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+
 async def test_drain_finishes_in_flight_then_aborts_the_rest(make_engine) -> None:
     engine = make_engine()
-    prompt = engine.encode_prompt("Hello world")
+    slow_steps(engine, 0.01)  # the long request takes seconds: the drain deadline always cuts it
     async_engine = AsyncEngine(lambda: engine, max_pending=8)
     async with anyio.create_task_group() as tg:
         await tg.start(async_engine.run)
-        short = async_engine.submit("short", prompt, SamplingParams(max_tokens=3, **GREEDY))
-        long = async_engine.submit("long", prompt, SamplingParams(max_tokens=450, **GREEDY))
+        short = async_engine.submit(prepared(engine, "short", "Hello world", max_tokens=3, **GREEDY))
+        long = async_engine.submit(prepared(engine, "long", "Hello world", max_tokens=450, **GREEDY))
         results: dict[str, list[RequestOutput]] = {}
 
         async def read(name: str, stream: RequestStream) -> None:
@@ -132,18 +228,69 @@ async def test_drain_finishes_in_flight_then_aborts_the_rest(make_engine) -> Non
 
         tg.start_soon(read, "short", short)
         tg.start_soon(read, "long", long)
-        await async_engine.drain(timeout=0.3)
+        await async_engine.drain(timeout=0.5)
         with pytest.raises(EngineUnavailable):
-            async_engine.submit("late", prompt, SamplingParams(max_tokens=3))
+            async_engine.submit(prepared(engine, "late", "Hello", max_tokens=3))
     assert results["short"][-1].finish_reason == "length"
     assert results["long"][-1].finish_reason == "abort"
     assert async_engine.state is EngineState.STOPPED
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+async def test_a_stalled_step_ends_every_stream_and_stops_the_loop(make_engine) -> None:
+    engine = make_engine()
+    release = threading.Event()
+    real_execute = engine.execute
+
+    def hanging_execute(plan: Any) -> Any:
+        release.wait(30)  # an injected hang
+        return real_execute(plan)
+
+    engine.execute = hanging_execute  # type: ignore[method-assign]
+    abandoned: list[bool] = []
+    async_engine = AsyncEngine(
+        lambda: engine, max_pending=8, step_timeout=0.5, on_forward_abandoned=lambda: abandoned.append(True)
+    )
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(async_engine.run)
+                streams = [async_engine.submit(prepared(engine, f"r{i}", "Hello", max_tokens=5)) for i in range(2)]
+                queued = async_engine.submit(prepared(engine, "queued", "Hello", max_tokens=5))
+                outputs = [await collect(s) for s in (*streams, queued)]
+        assert async_engine.state is EngineState.STALLED and abandoned == [True]
+        assert async_engine.stats().state == "stalled"
+        for stream_outputs in outputs:
+            assert [o.finish_reason for o in stream_outputs] == ["error"] and "stalled" in stream_outputs[0].error
+        with pytest.raises(EngineUnavailable):
+            async_engine.submit(prepared(engine, "late", "Hello", max_tokens=3))
+    finally:
+        release.set()
+
+
+async def test_drain_returns_in_bounded_time_with_a_stuck_forward_pass(make_engine) -> None:
+    engine = make_engine()
+    release = threading.Event()
+    real_execute = engine.execute
+    engine.execute = lambda plan: (release.wait(30), real_execute(plan))[1]  # type: ignore[method-assign]
+    abandoned: list[bool] = []
+    async_engine = AsyncEngine(lambda: engine, max_pending=8, on_forward_abandoned=lambda: abandoned.append(True))
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(async_engine.run)
+            stream = async_engine.submit(prepared(engine, "stuck", "Hello", max_tokens=5))
+            await anyio.sleep(0.1)
+            started = time.monotonic()
+            await async_engine.drain(timeout=0.3)
+            assert time.monotonic() - started < 0.3 + 2.0 + 1.0  # drain_timeout + STOP_MARGIN + slack
+        assert abandoned == [True] and async_engine.is_forward_abandoned
+        assert [o.finish_reason for o in await collect(stream)] == ["abort"]
+    finally:
+        release.set()
+
+
 async def test_forward_pass_failure_fails_its_requests_and_keeps_serving(make_engine) -> None:
     engine = make_engine()
-    prompt = engine.encode_prompt("Hello world")
     real_execute = engine.execute
     failures = iter([RuntimeError("injected")])
 
@@ -155,16 +302,15 @@ async def test_forward_pass_failure_fails_its_requests_and_keeps_serving(make_en
 
     engine.execute = flaky_execute  # type: ignore[method-assign]
     async with running(engine) as async_engine:
-        failed = await collect(async_engine.submit("a", prompt, SamplingParams(max_tokens=5, **GREEDY)))
-        assert failed[-1].finish_reason == "error" and "injected" in (failed[-1].error or "")
-        ok = await collect(async_engine.submit("b", prompt, SamplingParams(max_tokens=5, **GREEDY)))
+        failed = await collect(async_engine.submit(prepared(engine, "a", "Hello world", max_tokens=5, **GREEDY)))
+        assert failed[-1].finish_reason == "error" and "injected" not in (failed[-1].error or "")
+        ok = await collect(async_engine.submit(prepared(engine, "b", "Hello world", max_tokens=5, **GREEDY)))
         assert ok[-1].finish_reason == "length"
         assert async_engine.state is EngineState.READY
 
 
 async def test_loop_crash_ends_every_stream_with_an_error(make_engine) -> None:
     engine = make_engine()
-    prompt = engine.encode_prompt("Hello world")
 
     def broken_finish_step(plan: Any, sampled: Any) -> Any:
         raise RuntimeError("bookkeeping bug")
@@ -175,20 +321,12 @@ async def test_loop_crash_ends_every_stream_with_an_error(make_engine) -> None:
     with pytest.raises(BaseException) as caught:
         async with anyio.create_task_group() as tg:
             await tg.start(async_engine.run)
-            streams = [async_engine.submit(f"r{i}", prompt, SamplingParams(max_tokens=5)) for i in range(3)]
+            streams = [async_engine.submit(prepared(engine, f"r{i}", "Hello", max_tokens=5)) for i in range(3)]
             await anyio.sleep(5)
     assert "bookkeeping bug" in repr(caught.value)
     assert async_engine.state is EngineState.DEAD
     for stream in streams:
         outputs = await collect(stream)
-        assert len(outputs) == 1 and outputs[0].finish_reason == "error"
+        assert len(outputs) == 1 and outputs[0].finish_reason == "error" and "bookkeeping" not in outputs[0].error
     with pytest.raises(EngineUnavailable):
-        async_engine.submit("late", prompt, SamplingParams(max_tokens=3))
-
-
-async def test_too_long_requests_are_rejected_before_queueing(make_engine) -> None:
-    engine = make_engine()
-    async with running(engine) as async_engine:
-        with pytest.raises(ValueError, match=r"500.*512|512.*500"):
-            async_engine.submit("long", [5] * 500, SamplingParams(max_tokens=100))
-        assert async_engine.num_pending == 0
+        async_engine.submit(prepared(engine, "late", "Hello", max_tokens=3))

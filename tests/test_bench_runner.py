@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -187,8 +188,20 @@ def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> Non
     from bench import servers
     from bench.client import Target
 
-    def state(process: subprocess.Popen) -> str:
+    def stat_state(process: subprocess.Popen) -> str:
         return Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0]
+
+    def state(process: subprocess.Popen) -> str:
+        """The state once a signal sent just now has been delivered (SIGSTOP/SIGCONT land asynchronously)."""
+        deadline = time.monotonic() + 2
+        seen = stat_state(process)
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = stat_state(process)
+            if now == seen:
+                return now
+            seen = now
+        return seen
 
     started = {
         name: servers.ManagedServer(

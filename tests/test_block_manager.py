@@ -1,10 +1,11 @@
 from engine.block_manager import BlockManager, hash_block
+from engine.input_processor import PreparedRequest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 
 def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", tokens, SamplingParams(max_tokens=8), 8, detokenizer=None)
+    return Sequence(seq_id, PreparedRequest(f"r{seq_id}", tokens, SamplingParams(max_tokens=8), 8), detokenizer=None)
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:

@@ -6,6 +6,7 @@ import pytest
 from engine_helpers import assert_pool_full, make_llm
 
 from engine import SamplingParams
+from engine.errors import InvalidRequest
 
 
 @pytest.fixture(scope="module")
@@ -67,29 +68,46 @@ def test_abort_waiting_prefilling_and_decoding_frees_blocks(llm):
     assert_pool_full(llm)
 
 
-def test_abort_during_a_forward_pass_is_applied_after_it(llm):
+def test_abort_is_refused_during_a_forward_pass(llm):
+    """The forward pass reads the step's blocks: aborts wait for the step boundary (the async shell queues them)."""
     engine = llm.engine
-    engine.add_request("x", "Hello world", SamplingParams(max_tokens=20, ignore_eos=True))
-    engine.add_request("y", "Hello there", SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
+    engine.add_request("x", "Hello world", SamplingParams(max_tokens=3, ignore_eos=True))
     plan = engine.schedule_step()
-    out = engine.abort("x")  # the forward pass "runs" now
-    assert out.finish_reason == "abort"
-    sampled = engine.execute(plan)
-    outputs = engine.finish_step(plan, sampled)
-    assert [o.request_id for o in outputs] == ["y"]
-    while engine.has_unfinished_requests:
-        engine.step()
+    with pytest.raises(RuntimeError, match="between steps"):
+        engine.abort("x")
+    engine.finish_step(plan, engine.execute(plan))
+    assert engine.abort("x").finish_reason == "abort"
 
 
-def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm):
+def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm, caplog):
     engine = llm.engine
     engine.add_request("f", "Hello world", SamplingParams(max_tokens=4))
     plan = engine.schedule_step()
-    outputs = engine.fail_step(plan, RuntimeError("boom"))
+    outputs = engine.fail_step(plan, RuntimeError("boom at /secret/path"))
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("f", "error")]
-    assert "boom" in outputs[0].error
+    assert "boom" not in outputs[0].error and "/secret" not in outputs[0].error  # the client learns no internals
+    assert "boom at /secret/path" in caplog.text  # the log does
     out = llm.generate(["still serving"], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(out.token_ids) == 3
+
+
+def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("bad", "Hello world", SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("good", "The quick brown fox", SamplingParams(max_tokens=6, ignore_eos=True))
+    bad_seq = engine.requests["bad"]
+
+    def explode(token_id, can_stop=True):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    monkeypatch.setattr(bad_seq.detokenizer, "step", explode)
+    finals = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].finish_reason == "error" and "injected" not in finals["bad"].error
+    assert finals["good"].finish_reason == "length" and finals["good"].num_output_tokens == 6
 
 
 @pytest.mark.parametrize(
@@ -101,6 +119,10 @@ def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm)
         ([1, -3], SamplingParams(), "outside the vocabulary"),
         ("x " * 600, SamplingParams(max_tokens=4), "max_model_len"),
         ("hello", SamplingParams(max_tokens=600), "max_tokens (600)"),
+        ("hello", SamplingParams(max_tokens=None, min_tokens=100_000), "min_tokens (100000)"),
+        ("x" * 10**6, SamplingParams(max_tokens=4), "characters"),  # rejected before tokenization
+        (list(range(10**6)), SamplingParams(max_tokens=4), "max_model_len"),
+        ("hello", SamplingParams(stop_token_ids=[10**6]), "stop token id"),
     ],
 )
 def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message):
@@ -129,11 +151,19 @@ def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message)
         {"logprobs": 21},
         {"stop": [""]},
         {"max_tokens": 2, "min_tokens": 3},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+        {"repetition_penalty": float("inf")},
+        {"presence_penalty": float("nan")},
+        {"stop": ["x"] * 17},
+        {"stop": ["x" * 257]},
+        {"stop_token_ids": list(range(257))},
     ],
 )
-def test_bad_sampling_params_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_sampling_params_raise_value_error_naming_the_parameter(kwargs):
+    with pytest.raises(InvalidRequest) as raised:
         SamplingParams(**kwargs)
+    assert isinstance(raised.value, ValueError) and raised.value.param == list(kwargs)[-1]
 
 
 def test_unknown_model_path_raises_value_error(tmp_path):
@@ -204,7 +234,7 @@ def run_deltas(engine, request_id, prompt, params):
 )
 def test_utf8_deltas_are_well_formed_and_concatenate(default_llm, messages):
     engine = default_llm.engine
-    prompt = engine.encode_chat([{"role": "user", "content": messages}])
+    prompt = engine.input_processor.encode_chat([{"role": "user", "content": messages}])
     params = SamplingParams(max_tokens=40, temperature=0)
     deltas, ids, final = run_deltas(engine, "utf8", prompt, params)
     for d in deltas:
@@ -218,7 +248,7 @@ def test_utf8_deltas_are_well_formed_and_concatenate(default_llm, messages):
 
 def test_stop_string_spanning_tokens_never_leaks_on_the_real_model(default_llm):
     engine = default_llm.engine
-    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a short story about a dragon."}])
+    prompt = engine.input_processor.encode_chat([{"role": "user", "content": "Tell me a short story about a dragon."}])
     greedy = SamplingParams(max_tokens=40, temperature=0)
     deltas, ids, _ = run_deltas(engine, "full", prompt, greedy)
     text = "".join(deltas)

@@ -2,6 +2,8 @@
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.input_processor import PreparedRequest
+from engine.input_processor import PreparedRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -17,7 +19,7 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=True):
 
 def add(sched: Scheduler, seq_id: int, num_prompt: int, max_tokens: int, first_token: int = 0) -> Sequence:
     tokens = [first_token + seq_id * 1000 + i for i in range(num_prompt)]
-    seq = Sequence(seq_id, f"r{seq_id}", tokens, SamplingParams(max_tokens=max_tokens), max_tokens, None)
+    seq = Sequence(seq_id, PreparedRequest(f"r{seq_id}", tokens, SamplingParams(max_tokens=max_tokens), max_tokens), None)
     sched.add(seq)
     return seq
 
@@ -111,7 +113,7 @@ def test_prefix_cache_hit_skips_computed_blocks():
     sched, bm = make(budget=64)
     add(sched, 0, 13, 1, first_token=5)
     run_all(sched)
-    seq = Sequence(9, "r9", [5 + i for i in range(13)], SamplingParams(max_tokens=1), 1, None)
+    seq = Sequence(9, PreparedRequest("r9", [5 + i for i in range(13)], SamplingParams(max_tokens=1), 1), None)
     sched.add(seq)
     chunks = run_step(sched)
     assert chunks[0].num_tokens == 1 and seq.num_cached_tokens == 12

@@ -105,7 +105,7 @@ def test_usage_counts_are_exact(server: ThreadedServer, http: httpx.Client) -> N
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
     body = {**CHAT, "messages": messages, "max_tokens": 7, "ignore_eos": True}
     usage = http.post("/v1/chat/completions", json=body).json()["usage"]
-    prompt_tokens = len(engine.encode_chat(messages))
+    prompt_tokens = len(engine.input_processor.encode_chat(messages))
     assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == 7
     assert usage["total_tokens"] == prompt_tokens + 7
     usage = http.post("/v1/completions", json={**COMPLETION, "prompt": [5, 6, 7, 8], "max_tokens": 3}).json()["usage"]

@@ -79,4 +79,4 @@ def test_streamed_equals_non_streamed_with_the_openai_client(server: ThreadedSer
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert whole.usage.prompt_tokens == len(server.engine.encode_chat(messages))
+    assert whole.usage.prompt_tokens == len(server.engine.input_processor.encode_chat(messages))

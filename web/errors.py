@@ -8,6 +8,8 @@ from typing import Any
 from quart import Quart, Response
 from werkzeug.exceptions import HTTPException
 
+from engine.async_engine import EngineUnavailable
+from engine.errors import InvalidRequest
 from web.json_response import json_response
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,15 @@ def register_error_handlers(app: Quart) -> None:
     async def handle_api_error(error: APIError) -> Response:
         return error.response()
 
+    @app.errorhandler(InvalidRequest)
+    async def handle_invalid_request(error: InvalidRequest) -> Response:
+        return APIError(400, error.message, param=error.param).response()
+
+    @app.errorhandler(EngineUnavailable)
+    async def handle_unavailable(error: EngineUnavailable) -> Response:
+        message = f"the server is not accepting requests: {error}"
+        return APIError(503, message, code=f"engine_{error.state.value}").response()
+
     @app.errorhandler(HTTPException)
     async def handle_http_exception(error: HTTPException) -> Response:
         status = error.code or 500
@@ -79,5 +90,6 @@ def register_error_handlers(app: Quart) -> None:
 
     @app.errorhandler(Exception)
     async def handle_unexpected(error: Exception) -> Response:
+        # The client sees no detail of it (no repr, path or shape); the log has the traceback.
         logger.exception("unhandled error while serving a request")
-        return APIError(500, f"internal server error: {type(error).__name__}", code="internal_error").response()
+        return APIError(500, "internal server error", code="internal_error").response()

@@ -6,8 +6,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from engine.async_engine import EngineStats, RequestStream
-from engine.outputs import RequestOutput
+from engine.async_engine import EngineStats
+from engine.request_stream import RequestStream
+from engine.outputs import FinishReason, RequestOutput
 
 # Fine below 1 ms: the admission decision is meant to take well under a millisecond.
 ADMISSION_BUCKETS = (
@@ -73,12 +74,12 @@ class RequestTimer:
                 self._metrics.itl.observe(now - self._last_token_time)
             self._last_token_time = now
         if output.finished:
-            self.end(output.finish_reason or "abort")
+            self.end(output.finish_reason or FinishReason.ABORT)
 
-    def end(self, finish_reason: str) -> None:
+    def end(self, finish_reason: FinishReason) -> None:
         if self.ended:
             return
         self.ended = True
         self._metrics.e2e.observe(time.perf_counter() - self._stream.arrival_time)
         metrics = self._metrics
-        {"abort": metrics.aborted, "error": metrics.failed}.get(finish_reason, metrics.finished).inc()
+        {FinishReason.ABORT: metrics.aborted, FinishReason.ERROR: metrics.failed}.get(finish_reason, metrics.finished).inc()

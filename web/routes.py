@@ -1,24 +1,26 @@
-"""The HTTP endpoints. Handlers only validate, tokenize and enqueue; the engine loop does the rest."""
+"""The HTTP endpoints. Handlers parse and hand over: the async engine prepares (off the loop), admits and
+streams; nothing here touches the engine's core."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
-import orjson
 import anyio
-from quart import Blueprint, Response, current_app, request
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
+from quart import Blueprint, Response, current_app, request
 
-from engine.async_engine import EngineState, EngineUnavailable, QueueFull, RequestStream
-from engine.sampling_params import SamplingParams
-from web.app import Services, services
+from engine.async_engine import EngineState, QueueFull
+from engine.input_processor import PreparedRequest
+from engine.outputs import FinishReason
+from engine.request_stream import RequestStream
 from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import ChatResponses, Completion, CompletionResponses, ResponseFormat, Usage
 from web.schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from web.services import Services, services
 from web.sse import sse_response
 
 blueprint = Blueprint("openai", __name__)
@@ -29,11 +31,10 @@ async def chat_completions() -> Response:
     s = services()
     data, entry = await receive_body(s)
     body = parse_request(ChatCompletionRequest, parse_json(data))
-    model = s.check_model(body.model)
+    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
     messages = [m.as_template_dict() for m in body.messages]
-    prompt = tokenize(lambda: s.engine.encode_chat(messages), param="messages")
-    fmt = ChatResponses(model, s.token_text, bool(body.logprobs), body.include_usage)
-    return await generate(s, entry, fmt, prompt, body.to_sampling_params(), bool(body.stream))
+    prepared = await s.engine.prepare_chat(fmt.id, messages, body.to_sampling_params())
+    return await generate(s, entry, fmt, prepared, bool(body.stream))
 
 
 @blueprint.post("/v1/completions")
@@ -41,11 +42,9 @@ async def completions() -> Response:
     s = services()
     data, entry = await receive_body(s)
     body = parse_request(CompletionRequest, parse_json(data))
-    model = s.check_model(body.model)
-    prompt_input = body.single_prompt()
-    prompt = tokenize(lambda: s.engine.encode_prompt(prompt_input), param="prompt")
-    fmt = CompletionResponses(model, s.token_text, body.logprobs is not None, body.include_usage)
-    return await generate(s, entry, fmt, prompt, body.to_sampling_params(), bool(body.stream))
+    fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage)
+    prepared = await s.engine.prepare_prompt(fmt.id, body.single_prompt(), body.to_sampling_params())
+    return await generate(s, entry, fmt, prepared, bool(body.stream))
 
 
 @blueprint.get("/v1/models")
@@ -78,8 +77,7 @@ async def metrics() -> Response:
 
 
 async def receive_body(s: Services) -> tuple[bytes, float]:
-    """The whole body (network I/O, measured apart) and the start of admission: from then to the enqueue
-    or 429 decision nothing awaits."""
+    """The whole body (network I/O, measured apart) and the start of admission."""
     handler_entry = time.perf_counter()
     if request.mimetype != "application/json":
         raise APIError(415, f"the request body must be application/json, not {request.mimetype or 'absent'!r}",
@@ -103,33 +101,14 @@ def parse_json(data: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
 
 
-def tokenize(encode: Callable[[], list[int]], param: str) -> list[int]:
+async def generate(s: Services, entry: float, fmt: ResponseFormat, prepared: PreparedRequest, streaming: bool) -> Response:
     try:
-        return encode()
-    except EngineUnavailable as error:
-        raise unavailable(error) from None
-    except ValueError as error:
-        raise APIError(400, str(error), param=param) from None
-
-
-def unavailable(error: EngineUnavailable) -> APIError:
-    return APIError(503, f"the server is not accepting requests: {error}", code=f"engine_{error.state.value}")
-
-
-async def generate(
-    s: Services, entry: float, fmt: ResponseFormat, prompt: list[int], params: SamplingParams, streaming: bool
-) -> Response:
-    try:
-        stream = s.engine.submit(fmt.id, prompt, params)
+        stream = s.engine.submit(prepared)
     except QueueFull as error:
         s.metrics.admission.observe(time.perf_counter() - entry)
         s.metrics.rejected.inc()
         retry_after = {"Retry-After": str(s.config.retry_after_seconds)}
         raise APIError(429, f"the server is busy: {error}", code="queue_full", headers=retry_after) from None
-    except EngineUnavailable as error:
-        raise unavailable(error) from None
-    except ValueError as error:
-        raise APIError(400, str(error), param="max_tokens") from None
     s.metrics.admission.observe(time.perf_counter() - entry)
     timer = RequestTimer(s.metrics, stream)
     if streaming:
@@ -138,7 +117,7 @@ async def generate(
 
 
 async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Completion:
-    result = Completion(Usage(prompt_tokens=len(stream.prompt_token_ids)))
+    result = Completion(Usage(prompt_tokens=stream.num_prompt_tokens))
     try:
         async for output in stream:
             timer.observe(output)
@@ -146,7 +125,7 @@ async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Co
     finally:
         stream.close()
         if s.engine.abort(stream.request_id):  # the client left (the handler was cancelled)
-            timer.end("abort")
-    if result.finish_reason == "error" or result.finish_reason is None:
+            timer.end(FinishReason.ABORT)
+    if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
         raise APIError(500, result.error or "the request ended without a result", code="engine_error")
     return result

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from web.errors import APIError
 
-StrictModel = ConfigDict(strict=True, extra="ignore")
+# allow_inf_nan: a number that overflows JSON to inf (1e999) is a 400, never a value that reaches the sampler.
+StrictModel = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -54,24 +55,22 @@ class SamplingFields(BaseModel):
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                min_tokens=_default(self.min_tokens, 0),
-                temperature=_default(self.temperature, 1.0),
-                top_k=_default(self.top_k, -1),
-                top_p=_default(self.top_p, 1.0),
-                min_p=_default(self.min_p, 0.0),
-                seed=self.seed,
-                presence_penalty=_default(self.presence_penalty, 0.0),
-                frequency_penalty=_default(self.frequency_penalty, 0.0),
-                repetition_penalty=_default(self.repetition_penalty, 1.0),
-                stop=self.stop,
-                ignore_eos=bool(self.ignore_eos),
-                logprobs=logprobs,
-            )
-        except ValueError as error:
-            raise APIError(400, str(error), param=_param_named_in(str(error))) from None
+        """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=_default(self.min_tokens, 0),
+            temperature=_default(self.temperature, 1.0),
+            top_k=_default(self.top_k, -1),
+            top_p=_default(self.top_p, 1.0),
+            min_p=_default(self.min_p, 0.0),
+            seed=self.seed,
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            stop=self.stop,
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
 
 
 class TextPart(BaseModel):
@@ -178,11 +177,6 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\-].*)$")
 def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     parts = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.match(p)]
     return ".".join(parts) or None
-
-
-def _param_named_in(message: str) -> str | None:
-    name = message.split(" ", 1)[0]
-    return name if name in SamplingFields.model_fields or name in ("logprobs", "max_tokens") else None
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -1,16 +1,19 @@
 """`python -m web.server`: one anyio task group owns the process: Hypercorn, the engine loop, the signal watcher.
 
 SIGTERM / SIGINT: stop admitting (503), let in-flight requests finish within drain_timeout, abort the rest,
-then shut Hypercorn down and exit 0. An engine-loop crash ends every open stream with an error event, shuts
-down, and exits 1.
+then shut Hypercorn down and exit 0. An engine-loop crash or a stalled step (the watchdog) ends every open
+stream with an error event, shuts down, and exits 1. A forward pass that never returns cannot be stopped:
+the process then ends by os._exit shortly after its streams were ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
 from dataclasses import fields
 from functools import partial
 
@@ -28,6 +31,10 @@ logger = logging.getLogger("sluice.server")
 # The forward-pass thread holds the GIL between torch calls; the default 5 ms switch interval lets it keep
 # the event loop waiting that long each time. Handlers and /health need it back sooner.
 GIL_SWITCH_INTERVAL = 0.0005
+# After an engine failure or stall, the ended streams get this long to be written before the server stops.
+FAILURE_FLUSH_SECONDS = 1.0
+# An abandoned forward-pass thread keeps a normal exit waiting forever: the process ends this much later.
+HARD_EXIT_SECONDS = 5.0
 
 
 def hypercorn_config(server: ServerConfig) -> HypercornConfig:
@@ -44,7 +51,32 @@ def hypercorn_config(server: ServerConfig) -> HypercornConfig:
 def build_engine(config: SluiceConfig) -> AsyncEngine:
     from engine.llm_engine import LLMEngine  # torch: imported only when a server really starts
 
-    return AsyncEngine(partial(LLMEngine, config.engine), max_pending=config.server.max_pending)
+    server = config.server
+    return AsyncEngine(
+        partial(LLMEngine, config.engine),
+        max_pending=server.max_pending,
+        step_timeout=server.step_timeout,
+        client_read_timeout=server.client_read_timeout,
+        on_forward_abandoned=arm_hard_exit,
+    )
+
+
+def arm_hard_exit() -> None:
+    """A forward pass was abandoned in its thread: make sure the process ends (non-zero) soon."""
+
+    def hard_exit() -> None:
+        logger.error("a forward pass is still running in its thread: exiting now")
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(HARD_EXIT_SECONDS, hard_exit)
+    timer.daemon = True
+    timer.start()
+
+
+def exit_code(engine: AsyncEngine) -> int:
+    failed = engine.state in (EngineState.DEAD, EngineState.STALLED) or engine.is_forward_abandoned
+    return 1 if failed else 0
 
 
 async def serve(
@@ -64,7 +96,7 @@ async def serve(
         tg.start_soon(_drain_on_stop, engine, config.drain_timeout, shutdown, stop)
         await tg.start(_run_engine, engine, shutdown)
         logger.info("engine ready; serving on %s", ", ".join(hconfig.bind))
-    return 1 if engine.state is EngineState.DEAD else 0
+    return exit_code(engine)
 
 
 async def _serve_http(app: Quart, config: HypercornConfig, shutdown: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -77,10 +109,13 @@ async def _run_engine(engine: AsyncEngine, shutdown: anyio.Event, *, task_status
     try:
         await engine.run(task_status=task_status)
     except Exception:
-        if not engine.loaded:
+        if not engine.is_loaded:
             raise  # nothing was served yet: fail loudly
         logger.exception("the engine loop crashed: shutting down")
     finally:
+        if engine.state in (EngineState.DEAD, EngineState.STALLED):
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(FAILURE_FLUSH_SECONDS)  # the ended streams write their last events
         shutdown.set()
 
 

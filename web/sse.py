@@ -9,7 +9,8 @@ from typing import Any
 
 from quart import Response
 
-from engine.async_engine import RequestStream
+from engine.outputs import FinishReason
+from engine.request_stream import RequestStream
 from web.errors import error_body
 from web.json_response import dumps
 from web.metrics import RequestTimer
@@ -33,32 +34,36 @@ async def stream_events(
     """Exactly one terminal event (a finish chunk or an error event), then [DONE], on every path that the
     client is still there to see. A client that leaves is aborted in `finally` (CancelledError at an await,
     GeneratorExit at a yield); the exception then propagates."""
-    usage = Usage(prompt_tokens=len(stream.prompt_token_ids))
+    usage = Usage(prompt_tokens=stream.num_prompt_tokens)
+    # A client that stops reading blocks this task in a socket write; the engine's watchdog aborts the
+    # request after client_read_timeout and cancels the task, which closes the connection.
+    current = asyncio.current_task()
+    stream.on_read_timeout = current.cancel if current is not None else None
     try:
         for chunk in fmt.opening_chunks():
             yield sse_event(chunk)
         async for output in stream:
             timer.observe(output)
             usage.absorb(output)
-            if output.finish_reason == "error":
+            if output.finish_reason is FinishReason.ERROR:
                 yield engine_error_event(output.error or "the engine failed")
                 break
             chunk = fmt.delta_chunk(output)
             if chunk is not None:
                 yield sse_event(chunk)
             if output.finished:
-                yield sse_event(fmt.finish_chunk(output.finish_reason or "stop"))
+                yield sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP))
                 if fmt.include_usage:
                     yield sse_event(fmt.usage_chunk(usage))
                 break
         else:
-            timer.end("error")
+            timer.end(FinishReason.ERROR)
             yield engine_error_event("the request ended without a result")
         yield DONE
     finally:
         stream.close()
         if abort(stream.request_id):
-            timer.end("abort")
+            timer.end(FinishReason.ABORT)
 
 
 def sse_response(

@@ -1,0 +1,139 @@
+"""Requests in: chat template, tokenization and every check, once, producing a PreparedRequest.
+
+Pure CPU work with no engine state, so the server runs it in a worker thread. Size limits that need no
+tokenizer are checked first: a prompt longer than max_model_len tokens of the vocabulary's longest token
+cannot fit, so megabytes of text are rejected before anyone tokenizes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request that passed every check: admission takes only these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, or what the context leaves when that is None
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # Every token covers at most this many characters of text (its raw form is at least as long as the
+        # text it encodes), so a longer prompt has more than max_model_len tokens.
+        longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest_token, 1)
+
+    # ---- prompts -------------------------------------------------------------------------------------
+    def process_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        return self._prepare(request_id, self.encode_prompt(prompt), params, "prompt")
+
+    def process_chat(
+        self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
+    ) -> PreparedRequest:
+        return self._prepare(request_id, self.encode_chat(messages, **template_kwargs), params, "messages")
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            self._check_chars(len(prompt), "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
+        self._check_num_tokens(len(prompt), "prompt")
+        vocab = self.vocab_size
+        for token_id in prompt:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
+                raise InvalidRequest(f"token id {token_id!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequest("messages must be a non-empty list", param="messages")
+        num_chars = 0
+        for message in messages:
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise InvalidRequest("each message must be an object with a string 'role'", param="messages")
+            content = message.get("content")
+            if not isinstance(content, str):
+                raise InvalidRequest("each message's 'content' must be a string", param="messages")
+            num_chars += len(content)
+        self._check_chars(num_chars, "messages")
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
+            )
+        except Exception as error:  # jinja raises its own errors for conversations a template rejects
+            raise InvalidRequest(f"the chat template rejected the messages: {_first_line(error)}", "messages") from None
+        token_ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
+        return list(token_ids)
+
+    # ---- checks --------------------------------------------------------------------------------------
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"the {param} has {num_chars} characters: more than the {self.max_model_len}-token context "
+                f"(max_model_len) can hold",
+                param=param,
+            )
+
+    def _check_num_tokens(self, num_prompt: int, param: str) -> None:
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequest(
+                f"the {param} has {num_prompt} tokens, but the context length (max_model_len) is "
+                f"{self.max_model_len}: at least one token must be left for the output",
+                param=param,
+            )
+
+    def _prepare(self, request_id: str, prompt: list[int], params: SamplingParams, param: str) -> PreparedRequest:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params must be a SamplingParams")
+        self._check_num_tokens(len(prompt), param)
+        return PreparedRequest(request_id, prompt, params, self.check_lengths(len(prompt), params))
+
+    def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
+        """The effective max_tokens of a request whose prompt fits; InvalidRequest for what cannot be honoured."""
+        room = self.max_model_len - num_prompt
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {num_prompt + max_tokens} "
+                f"tokens, over the context length (max_model_len) of {self.max_model_len}",
+                param="max_tokens",
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) is more than the {max_tokens} output tokens this request can have",
+                param="min_tokens",
+            )
+        for token_id in params.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise InvalidRequest(
+                    f"stop token id {token_id} is outside the vocabulary [0, {self.vocab_size})", "stop_token_ids"
+                )
+        return max_tokens
+
+
+def _first_line(error: BaseException) -> str:
+    """A template's own message, without the traceback-like detail some jinja errors carry."""
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__

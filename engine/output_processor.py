@@ -1,0 +1,60 @@
+"""Tokens out: each sampled token becomes a delta (detokenized, stop strings held back) and maybe a finish.
+
+It decides, and the engine applies: the OutputProcessor never touches the scheduler or the blocks.
+"""
+
+from __future__ import annotations
+
+from engine.batch import SampledToken
+from engine.outputs import FinishReason, RequestOutput
+from engine.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def on_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
+        """Append one sampled token to seq and return its delta; finish_reason is set when it ends seq."""
+        token_id = token.token_id
+        seq.output_token_ids.append(token_id)
+        if seq.logprobs is not None:
+            seq.logprobs.append(token)
+        params = seq.params
+        can_stop = seq.num_output_tokens >= params.min_tokens
+        text, stop_str = seq.detokenizer.step(token_id, can_stop)
+        reason: FinishReason | None = None
+        if stop_str is not None:
+            reason, seq.stop_reason = FinishReason.STOP, stop_str
+        elif can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif can_stop and token_id in seq.stop_token_ids:
+            reason, seq.stop_reason = FinishReason.STOP, token_id
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        out = self._output(seq, [token_id], text)
+        if seq.logprobs is not None:
+            out.logprobs = [token]
+        if reason is not None:
+            if stop_str is None:
+                out.text_delta += seq.detokenizer.flush()
+            out.finished, out.finish_reason, out.stop_reason = True, reason, seq.stop_reason
+        return out
+
+    def final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """The last delta of a request ended from outside its tokens (abort, error)."""
+        out = self._output(seq, [], "")
+        out.finished, out.finish_reason, out.error = True, reason, error
+        return out
+
+    @staticmethod
+    def _output(seq: Sequence, token_ids: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=token_ids,
+            text_delta=text,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
