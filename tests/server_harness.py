@@ -53,8 +53,17 @@ def health(base_url: str) -> tuple[int, dict[str, Any]]:
 class ThreadedServer:
     """Hypercorn + the engine loop in a thread of their own, with an event loop of their own."""
 
-    def __init__(self, load_engine: Callable[[], Any], wait_ready: bool = True, **server_overrides: Any) -> None:
+    def __init__(
+        self,
+        load_engine: Callable[[], Any],
+        wait_ready: bool = True,
+        send_buffer_bytes: int | None = None,
+        **server_overrides: Any,
+    ) -> None:
+        """send_buffer_bytes: SO_SNDBUF of the listening socket (accepted sockets inherit it), so that a client
+        that does not read fills the server's buffers after kilobytes instead of megabytes."""
         self.wait_ready = wait_ready
+        self.send_buffer_bytes = send_buffer_bytes
         self.abandoned = threading.Event()  # a forward pass was left running (the test must release it)
         self.config = ServerConfig(port=free_port(), **server_overrides)
         self.base_url = f"http://127.0.0.1:{self.config.port}"
@@ -81,6 +90,16 @@ class ThreadedServer:
         self._portal = self._exit.enter_context(start_blocking_portal("asyncio"))
         self._stop = self._portal.call(anyio.Event)
         hconfig = hypercorn_config(self.config)
+        if self.send_buffer_bytes is not None:
+            create_sockets, size = hconfig.create_sockets, self.send_buffer_bytes
+
+            def small_buffer_sockets() -> Any:
+                sockets = create_sockets()
+                for sock in sockets.insecure_sockets:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+                return sockets
+
+            hconfig.create_sockets = small_buffer_sockets  # type: ignore[method-assign]
         self._served = self._portal.start_task_soon(
             lambda: serve(self.async_engine, self.app, self.config, bind=hconfig, stop=self._stop)
         )

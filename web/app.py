@@ -6,6 +6,7 @@ from quart import Quart
 
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
+from web.body_limit import BodyLimit
 from web.errors import register_error_handlers
 from web.routes import blueprint
 from web.services import Services
@@ -18,6 +19,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
         BODY_TIMEOUT=config.body_timeout,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
+    app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes, config.body_timeout)  # type: ignore[method-assign]
     app.extensions["sluice"] = Services(engine, config)
     register_error_handlers(app)
     app.register_blueprint(blueprint)

@@ -124,7 +124,8 @@ async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Co
             result.absorb(output)
     finally:
         stream.close()
-        if s.engine.abort(stream.request_id):  # the client left (the handler was cancelled)
+        s.engine.abort(stream.request_id)
+        if not timer.ended:  # the client left (the handler was cancelled)
             timer.end(FinishReason.ABORT)
     if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
         raise APIError(500, result.error or "the request ended without a result", code="engine_error")

@@ -36,6 +36,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -68,6 +71,9 @@ class SamplingFields(BaseModel):
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=_default(self.skip_special_tokens, True),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
         )

@@ -62,8 +62,16 @@ async def stream_events(
         yield DONE
     finally:
         stream.close()
-        if abort(stream.request_id):
+        abort(stream.request_id)
+        if not timer.ended:  # the client left, or was cut off for not reading
             timer.end(FinishReason.ABORT)
+
+
+def _abort_soon(loop: asyncio.AbstractEventLoop, abort: Callable[[str], bool], request_id: str) -> None:
+    try:
+        loop.call_soon_threadsafe(abort, request_id)
+    except RuntimeError:  # the loop is closed: the server, and the request with it, are gone
+        pass
 
 
 def sse_response(
@@ -73,7 +81,7 @@ def sse_response(
     # If the client leaves before Quart starts iterating, the generator's `finally` never runs: abort when
     # it is collected instead, on the event-loop thread (the collector may run in the forward-pass thread).
     loop = asyncio.get_running_loop()
-    on_collect = weakref.finalize(events, loop.call_soon_threadsafe, abort, stream.request_id)
+    on_collect = weakref.finalize(events, _abort_soon, loop, abort, stream.request_id)
     on_collect.atexit = False
     response = Response(events, status=200, content_type="text/event-stream", headers=SSE_HEADERS)
     response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut a long stream silently
