@@ -45,8 +45,12 @@ def needs_key(path: str, config: ServerConfig) -> bool:
 
 
 def unauthorized(message: str, error: str | None = None) -> APIError:
-    challenge = 'Bearer realm="sluice"' + (f', error="{error}"' if error else "")
-    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge})
+    headers = {"WWW-Authenticate": 'Bearer realm="sluice"' + (f', error="{error}"' if error else "")}
+    if request.content_length or "Transfer-Encoding" in request.headers:
+        # The body is left unread. Hypercorn then closes the connection, and without this header a client
+        # that reuses it would lose its next request.
+        headers["Connection"] = "close"
+    return APIError(401, message, code="invalid_api_key", headers=headers)
 
 
 def install_api_keys(app: Quart, config: ServerConfig) -> None:
