@@ -56,7 +56,8 @@ class LLM:
         """One request's deltas as the engine makes them; the prompt is text, token ids, or a conversation
         (through the chat template). Closing the iterator early aborts the request."""
         is_conversation = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-        encode = self.engine.encode_chat if is_conversation else self.engine.encode_prompt
+        processor = self.engine.input_processor
+        encode = processor.encode_chat if is_conversation else processor.encode_prompt
         request_id = f"offline-{next(self._request_ids)}"
         self.engine.add_request(request_id, encode(prompt), params or SamplingParams())  # type: ignore[arg-type]
         try:
