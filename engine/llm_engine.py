@@ -12,7 +12,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
+from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -108,11 +108,11 @@ class LLMEngine:
         if plan is None:
             return []
         try:
-            sampled = self.execute(plan)
+            output = self.execute(plan)
         except Exception as error:
             self.fail_step(plan, error)
             raise
-        return self.finish_step(plan, sampled)
+        return self.finish_step(plan, output)
 
     def schedule_step(self) -> StepPlan | None:
         assert self._plan is None, "the previous step has not finished"
@@ -123,13 +123,14 @@ class LLMEngine:
         self._plan = StepPlan(chunks, batch)
         return self._plan
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.run(plan.batch)
 
-    def finish_step(self, plan: StepPlan, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def finish_step(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         """Apply a forward pass's tokens: one delta per sampling sequence; finished ones are freed."""
         self._plan = None
         self.scheduler.on_computed(plan.chunks)
+        sampled = output.sampled
         sampling_seqs = [c.seq for c, sc in zip(plan.chunks, plan.batch.chunks) if sc.sampling is not None]
         if len(sampling_seqs) != len(sampled):
             raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling_seqs)} sequences")
