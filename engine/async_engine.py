@@ -157,6 +157,19 @@ class AsyncEngine:
         processor = self._ready_engine().input_processor
         return await self._off_loop(partial(processor.process_chat, request_id, messages, params, **template_kwargs))
 
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids, in a worker thread (what /tokenize does)."""
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.encode_prompt, text, add_special_tokens=add_special_tokens))
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.encode_chat, messages, **template_kwargs))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.decode, token_ids))
+
     def submit(self, request: PreparedRequest) -> RequestStream:
         """Queue a prepared request. QueueFull: 429; EngineUnavailable: 503."""
         self._ready_engine()

@@ -13,6 +13,7 @@ from web.cors import install_cors
 from web.errors import register_error_handlers
 from web.routes import blueprint
 from web.services import Services
+from web.tokenizer_routes import blueprint as tokenizer_routes
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
@@ -28,5 +29,6 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
     install_cors(app, config)  # before the key check: preflights carry no key
     install_api_keys(app, config)
     app.register_blueprint(blueprint)
+    app.register_blueprint(tokenizer_routes)
     app.register_blueprint(chat_page)
     return app
