@@ -3,23 +3,32 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from quart import Blueprint, Response
 
 from web.json_response import json_response
 from web.routes import parse_json, receive_body
 from web.schemas import DetokenizeRequest, TokenizeRequest, parse_request
-from web.services import services
+from web.services import Services, services
 
 blueprint = Blueprint("tokenizer", __name__)
+Body = TypeVar("Body", TokenizeRequest, DetokenizeRequest)
+
+
+async def tokenizer_request(s: Services, model: type[Body]) -> Body:
+    """The parsed body; `model` is optional here, but checked when given."""
+    data, _ = await receive_body(s)
+    body = parse_request(model, parse_json(data))
+    if body.model is not None:
+        s.check_model(body.model)
+    return body
 
 
 @blueprint.post("/tokenize")
 async def tokenize() -> Response:
     s = services()
-    data, _ = await receive_body(s)
-    body = parse_request(TokenizeRequest, parse_json(data))
-    if body.model is not None:
-        s.check_model(body.model)
+    body = await tokenizer_request(s, TokenizeRequest)
     if body.messages is not None:
         messages = [m.as_template_dict() for m in body.messages]
         template_kwargs = {"continue_final_message": True} if body.continue_final_message else {}
@@ -37,10 +46,7 @@ async def tokenize() -> Response:
 @blueprint.post("/detokenize")
 async def detokenize() -> Response:
     s = services()
-    data, _ = await receive_body(s)
-    body = parse_request(DetokenizeRequest, parse_json(data))
-    if body.model is not None:
-        s.check_model(body.model)
+    body = await tokenizer_request(s, DetokenizeRequest)
     return json_response({"prompt": await s.engine.decode(body.tokens)})
 
 
