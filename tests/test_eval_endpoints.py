@@ -145,6 +145,8 @@ def test_echo_without_logprobs_and_refusals(http: httpx.Client) -> None:
     for extra in ({"echo": True}, {"prompt": ["a", "b"]}):
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "stream": True, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] in ("echo", "prompt")
+    too_many = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 257})  # max_pending is 256
+    assert too_many.status_code == 400 and "max_pending" in too_many.json()["error"]["message"]
 
 
 # ---- lm-evaluation-harness --------------------------------------------------------------------------------
