@@ -189,6 +189,9 @@ def test_errors_carry_cors_headers_so_the_page_can_read_them(server: ThreadedSer
     assert "WWW-Authenticate" in unauthorized.headers["access-control-expose-headers"]
     bad = http.post("/v1/chat/completions", json={**CHAT, "temperature": 9}, headers={**bearer(KEYS[0]), "Origin": ORIGIN})
     assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == ORIGIN
+    too_large = http.post("/v1/completions", content=b"x" * (server.config.max_body_bytes + 1),
+                          headers={**bearer(KEYS[0]), "Origin": ORIGIN, "Content-Type": "application/json"})  # fmt: skip
+    assert too_large.status_code == 413 and too_large.headers["access-control-allow-origin"] == ORIGIN
 
     # 429: one request running (max_num_seqs = 1), one queued (max_pending = 1), the third is refused.
     headers = {**bearer(KEYS[0]), "Origin": ORIGIN}

@@ -54,8 +54,8 @@ def unauthorized(message: str, error: str | None = None) -> APIError:
 
 
 def install_api_keys(app: Quart, config: ServerConfig) -> None:
-    """Register the check (nothing when no key is configured). Register CORS first: browsers send preflight
-    requests without credentials, and they must be answered before this check."""
+    """Register the check (nothing when no key is configured). CORS preflights, which browsers send without
+    credentials, never get here: the CORS middleware answers them first."""
     if not config.api_keys:
         return
     checker = KeyChecker(config.api_keys)

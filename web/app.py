@@ -9,7 +9,7 @@ from engine.config import ServerConfig
 from web.api_keys import install_api_keys
 from web.body_limit import BodyLimit
 from web.chat_page import blueprint as chat_page
-from web.cors import install_cors
+from web.cors import CORS
 from web.errors import register_error_handlers
 from web.routes import blueprint
 from web.services import Services
@@ -24,9 +24,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
     app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes, config.body_timeout)  # type: ignore[method-assign]
+    if config.cors_origin_list:  # outermost: preflights are answered before anything else, every response marked
+        app.asgi_app = CORS(app.asgi_app, config.cors_origin_list)  # type: ignore[method-assign]
     app.extensions["sluice"] = Services(engine, config)
     register_error_handlers(app)
-    install_cors(app, config)  # before the key check: preflights carry no key
     install_api_keys(app, config)
     app.register_blueprint(blueprint)
     app.register_blueprint(tokenizer_routes)
