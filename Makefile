@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	$(PY) -m web.server $(ARGS)
+	$(VENV)/bin/sluice serve $(ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

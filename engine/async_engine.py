@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from anyio.abc import TaskStatus
 
+from engine.batch import StepOutput
 from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
 from engine.outputs import FinishReason, RequestOutput
@@ -156,6 +157,19 @@ class AsyncEngine:
         processor = self._ready_engine().input_processor
         return await self._off_loop(partial(processor.process_chat, request_id, messages, params, **template_kwargs))
 
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids, in a worker thread (what /tokenize does)."""
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.encode_prompt, text, add_special_tokens=add_special_tokens))
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.encode_chat, messages, **template_kwargs))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        processor = self._ready_engine().input_processor
+        return await self._off_loop(partial(processor.decode, token_ids))
+
     def submit(self, request: PreparedRequest) -> RequestStream:
         """Queue a prepared request. QueueFull: 429; EngineUnavailable: 503."""
         self._ready_engine()
@@ -222,17 +236,17 @@ class AsyncEngine:
                 self._wakeup = anyio.Event()
                 continue
             try:
-                sampled = await self._forward(engine, plan)
+                step_output = await self._forward(engine, plan)
             except _Abandoned:
                 return
             except Exception as error:
                 outputs = engine.fail_step(plan, error)
             else:
-                outputs = engine.finish_step(plan, sampled)
+                outputs = engine.finish_step(plan, step_output)
             self._deliver(outputs)
         self._apply_aborts(engine)
 
-    async def _forward(self, engine: LLMEngine, plan: StepPlan) -> list:
+    async def _forward(self, engine: LLMEngine, plan: StepPlan) -> StepOutput:
         # Shielded, so that cancelling the loop still lets the step finish and leaves the engine consistent;
         # only the watchdog or a stop that cannot wait cancels this scope itself, and then the thread is
         # abandoned (abandon_on_cancel) and the engine is never used again, so no two passes can overlap.

@@ -38,6 +38,14 @@ class SamplingRow:
 
 
 @dataclass(slots=True)
+class PromptScoring:
+    """Prompt logprobs wanted from a chunk: row i (position start_pos + i) scores the prompt token after it."""
+
+    target_ids: list[int]  # the prompt tokens at positions start_pos + 1 ..., one per leading row of the chunk
+    num_top: int  # the top num_top alternatives at each of those rows too
+
+
+@dataclass(slots=True)
 class SeqChunk:
     """One sequence's share of a step: feed token_ids at positions start_pos .. start_pos + len - 1."""
 
@@ -46,6 +54,7 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]  # physical KV blocks covering positions [0, start_pos + len(token_ids))
     sampling: SamplingRow | None  # None: a prefill chunk that does not reach the end of the prompt
+    prompt_scoring: PromptScoring | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +64,14 @@ class SeqChunk:
 @dataclass(slots=True)
 class StepBatch:
     chunks: list[SeqChunk] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a forward pass yields: the sampled tokens, and the prompt logprobs that chunks asked for."""
+
+    sampled: list[SampledToken]  # one per chunk with sampling set, in chunk order
+    prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # seq_id -> one per target id
 
 
 @dataclass(slots=True)

@@ -62,8 +62,15 @@ class ServerConfig:
     step_timeout: float = 120.0
     client_read_timeout: float = 30.0
     log_level: str = "info"
+    api_key: str = field(default="", repr=False)  # "" = open; else keys separated by commas
+    metrics_need_key: bool = True  # with keys set, /metrics needs one too
+    cors_origins: str = ""  # "" = no cross-origin access; "*" or origins separated by commas
 
     def __post_init__(self) -> None:
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("api_key: keys are separated by single commas, with no spaces and no empty key")
+        if any(o != "*" and not o.startswith(("http://", "https://")) for o in self.cors_origin_list):
+            raise ValueError(f"cors_origins: '*' or origins such as https://example.com, got {self.cors_origins!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_pending < 1:
@@ -76,6 +83,14 @@ class ServerConfig:
             raise ValueError("step_timeout and client_read_timeout must be > 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(self.api_key.split(",")) if self.api_key else ()
+
+    @property
+    def cors_origin_list(self) -> tuple[str, ...]:
+        return tuple(o.strip() for o in self.cors_origins.split(",") if o.strip())
 
 
 @dataclass(frozen=True)

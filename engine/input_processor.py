@@ -49,22 +49,31 @@ class InputProcessor:
     ) -> PreparedRequest:
         return self._prepare(request_id, self.encode_chat(messages, **template_kwargs), params, "messages")
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
             self._check_chars(len(prompt), "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
         self._check_num_tokens(len(prompt), "prompt")
-        vocab = self.vocab_size
-        for token_id in prompt:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
-                raise InvalidRequest(f"token id {token_id!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        self._check_vocabulary(prompt, "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids back to text, special tokens included (what /detokenize and echo show)."""
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequest(
+                f"{len(token_ids)} tokens: more than the context length (max_model_len) of {self.max_model_len}",
+                param="tokens",
+            )
+        self._check_vocabulary(token_ids, "tokens")
+        return self.tokenizer.decode(token_ids)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequest("messages must be a non-empty list", param="messages")
         num_chars = 0
@@ -80,7 +89,7 @@ class InputProcessor:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
             )
         except Exception as error:  # jinja raises its own errors for conversations a template rejects
             raise InvalidRequest(f"the chat template rejected the messages: {_first_line(error)}", "messages") from None
@@ -95,6 +104,12 @@ class InputProcessor:
                 f"(max_model_len) can hold",
                 param=param,
             )
+
+    def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
+                raise InvalidRequest(f"token id {token_id!r} is outside the vocabulary [0, {vocab})", param=param)
 
     def _check_num_tokens(self, num_prompt: int, param: str) -> None:
         if num_prompt >= self.max_model_len:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.config import engine_config
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -50,6 +51,23 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.engine.input_processor.encode_chat(list(c)) for c in conversations]
         return self._run(token_lists, params, use_tqdm)
+
+    def stream(self, prompt: Prompt | list[Message], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One request's deltas as the engine makes them; the prompt is text, token ids, or a conversation
+        (through the chat template). Closing the iterator early aborts the request."""
+        is_conversation = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        processor = self.engine.input_processor
+        encode = processor.encode_chat if is_conversation else processor.encode_prompt
+        request_id = f"offline-{next(self._request_ids)}"
+        self.engine.add_request(request_id, encode(prompt), params or SamplingParams())  # type: ignore[arg-type]
+        try:
+            while True:
+                for delta in self.engine.step():
+                    yield delta
+                    if delta.finished:
+                        return
+        finally:
+            self.engine.abort(request_id)
 
     def _run(
         self, token_lists: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool

@@ -12,7 +12,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
+from engine.batch import PromptScoring, SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -108,11 +108,11 @@ class LLMEngine:
         if plan is None:
             return []
         try:
-            sampled = self.execute(plan)
+            output = self.execute(plan)
         except Exception as error:
             self.fail_step(plan, error)
             raise
-        return self.finish_step(plan, sampled)
+        return self.finish_step(plan, output)
 
     def schedule_step(self) -> StepPlan | None:
         assert self._plan is None, "the previous step has not finished"
@@ -123,13 +123,18 @@ class LLMEngine:
         self._plan = StepPlan(chunks, batch)
         return self._plan
 
-    def execute(self, plan: StepPlan) -> list[SampledToken]:
+    def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.run(plan.batch)
 
-    def finish_step(self, plan: StepPlan, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def finish_step(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         """Apply a forward pass's tokens: one delta per sampling sequence; finished ones are freed."""
         self._plan = None
         self.scheduler.on_computed(plan.chunks)
+        for scheduled, chunk in zip(plan.chunks, plan.batch.chunks):
+            scored = output.prompt_logprobs.get(chunk.seq_id)
+            if scored is not None:
+                _keep_prompt_logprobs(scheduled.seq, chunk.start_pos + 1, scored)
+        sampled = output.sampled
         sampling_seqs = [c.seq for c, sc in zip(plan.chunks, plan.batch.chunks) if sc.sampling is not None]
         if len(sampling_seqs) != len(sampled):
             raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling_seqs)} sequences")
@@ -163,7 +168,12 @@ class LLMEngine:
         start = seq.num_computed_tokens
         token_ids = seq.token_slice(start, start + chunk.num_tokens)
         sampling = self._sampling_row(seq) if chunk.is_sampling else None
-        return SeqChunk(seq.seq_id, token_ids, start, seq.block_table, sampling)
+        scoring = None
+        if seq.prompt_logprobs is not None:
+            # Row i (position start + i) scores the prompt token at start + i + 1: up to the prompt's end.
+            targets = seq.prompt_token_ids[start + 1 : start + chunk.num_tokens + 1]
+            scoring = PromptScoring(targets, seq.params.prompt_logprobs or 0)
+        return SeqChunk(seq.seq_id, token_ids, start, seq.block_table, sampling, scoring)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -217,6 +227,13 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, {self.num_running} running, {self.num_waiting} waiting)"
+
+
+def _keep_prompt_logprobs(seq: Sequence, first_position: int, scored: list[SampledToken]) -> None:
+    """Append the logprobs of prompt positions first_position, ...; positions already kept (a prefill
+    recomputed after preemption) stay as they were."""
+    assert seq.prompt_logprobs is not None and len(seq.prompt_logprobs) >= first_position, "a prompt gap"
+    seq.prompt_logprobs += scored[len(seq.prompt_logprobs) - first_position :]
 
 
 __all__ = ["LLMEngine", "StepPlan"]

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
+from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.config import EngineConfig
 from engine.models.layers import LayerCache, PrefillSpan, StepContext
 from engine.models.loader import LoadedModel
+from engine.sampler import token_logprobs
 
 SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 
@@ -23,6 +24,8 @@ SamplerFn = Callable[[torch.Tensor, list[SamplingRow]], list[SampledToken]]
 QUANT_MAX_TOKENS = 8
 # Decode attention through SDPA up to this many rows, by hand above (measured crossover).
 DECODE_SDPA_MAX_ROWS = 2
+# Prompt scoring turns this many hidden rows into float32 logits at a time (49152-token vocabulary: 25 MB).
+SCORING_ROWS_PER_SLICE = 128
 # Extra blocks of room in a rebuilt decode stage: it is re-gathered when a sequence outgrows it.
 STAGE_SLACK_BLOCKS = 2
 
@@ -49,6 +52,7 @@ class ModelRunner:
 
             sampler = Sampler(vocab_size=min(len(loaded.tokenizer), loaded.vocab_size))
         self.sampler = sampler
+        self.vocab_size = min(len(loaded.tokenizer), loaded.vocab_size)
         self.num_kv_heads = self.model.num_kv_heads
         shape = (self.num_kv_heads, config.num_kv_blocks, config.block_size, self.model.head_dim)
         self.kv_caches = [
@@ -58,18 +62,39 @@ class ModelRunner:
         self._stage: _StageState | None = None
         self.quant_max_tokens = QUANT_MAX_TOKENS if config.quantize == "auto" else 0
 
-    def run(self, batch: StepBatch) -> list[SampledToken]:
-        """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order."""
+    def run(self, batch: StepBatch) -> StepOutput:
+        """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order,
+        and score the prompt tokens that chunks ask for."""
         with torch.inference_mode():
-            input_ids, ctx, sample_index, stage = self._prepare(batch)
+            input_ids, ctx, last_rows, stage = self._prepare(batch)
             self._stage = None  # until this forward pass has filled the stage
             hidden = self.model(input_ids, ctx, self.kv_caches)
             self._stage = stage
-            if not sample_index:
-                return []
-            rows = hidden[torch.tensor(sample_index)]
-            logits = self.model.compute_logits(rows)
-            return self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
+            output = StepOutput([], self._score_prompts(hidden, batch.chunks, last_rows))
+            sample_index = [row for c, row in zip(batch.chunks, last_rows) if c.sampling is not None]
+            if sample_index:
+                logits = self.model.compute_logits(hidden[torch.tensor(sample_index)])
+                output.sampled = self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
+            return output
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, chunks: list[SeqChunk], last_rows: list[int]
+    ) -> dict[int, list[SampledToken]]:
+        """seq_id -> the logprob each scoring row gives the prompt token after it (rows in slices, so that
+        the float32 logits of a long chunk stay small)."""
+        scores: dict[int, list[SampledToken]] = {}
+        for chunk, last_row in zip(chunks, last_rows):
+            scoring = chunk.prompt_scoring
+            if scoring is None or not scoring.target_ids:
+                continue
+            first_row = last_row - chunk.num_tokens + 1
+            scored = scores[chunk.seq_id] = []
+            for start in range(0, len(scoring.target_ids), SCORING_ROWS_PER_SLICE):
+                targets = scoring.target_ids[start : start + SCORING_ROWS_PER_SLICE]
+                rows = hidden[first_row + start : first_row + start + len(targets)]
+                logits = self.model.compute_logits(rows)[:, : self.vocab_size].float()
+                scored += token_logprobs(logits, torch.tensor(targets), [scoring.num_top] * len(targets))
+        return scores
 
     def warmup(self) -> None:
         """Run a prefill and a decode step through both kernel paths so the first request is not slow.
@@ -160,5 +185,5 @@ class ModelRunner:
             prefills=spans,
             use_quant=len(input_ids) <= self.quant_max_tokens,
         )
-        sample_index = [last_row[id(c)] for c in batch.chunks if c.sampling is not None]
-        return torch.tensor(input_ids, dtype=torch.int64), ctx, sample_index, stage
+        last_rows = [last_row[id(c)] for c in batch.chunks]
+        return torch.tensor(input_ids, dtype=torch.int64), ctx, last_rows, stage

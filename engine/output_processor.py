@@ -36,6 +36,8 @@ class OutputProcessor:
         out = self._output(seq, [token_id], text)
         if seq.logprobs is not None:
             out.logprobs = [token]
+        if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             if stop_str is None:
                 out.text_delta += seq.detokenizer.flush()

@@ -35,9 +35,13 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[SampledToken] | None = None  # one per new token when the request asked for logprobs
     error: str | None = None  # set when finish_reason == "error"
+    # With the first token, when the request asked for them: one per prompt token (None for the first).
+    prompt_logprobs: list[SampledToken | None] | None = None
 
     def absorb(self, later: RequestOutput) -> None:
         """Coalesce a later delta of the same request into this one, as if both had come in one step."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.new_token_ids.extend(later.new_token_ids)
         self.text_delta += later.text_delta
         if later.logprobs is not None:
@@ -60,8 +64,11 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     logprobs: list[SampledToken] | None = None
+    prompt_logprobs: list[SampledToken | None] | None = None
 
     def absorb(self, delta: RequestOutput) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text_delta
         self.token_ids.extend(delta.new_token_ids)
         if delta.logprobs is not None:

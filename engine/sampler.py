@@ -145,6 +145,23 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, cols.gather(1, pos)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[SampledToken]:
+    """[R, V] float32 logits (the model's, unmodified), [R] token ids -> each token with its logprob and its
+    row's num_top[i] most likely tokens (most likely first)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(num_top, default=0), logprobs.shape[1])
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if k:
+        values, ids = topk_rows(logprobs, k)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        SampledToken(token, chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])) if n else [])
+        for j, (token, n) in enumerate(zip(token_ids.tolist(), num_top))
+    ]
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[R, V] non-negative weights, [R] u in (0, 1] -> [R] the first column whose cumulative weight >= u * total."""
     cdf = _block_reduce(weights, torch.sum).cumsum(dim=-1)
@@ -319,18 +336,10 @@ class Sampler:
     def _with_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor) -> list[SampledToken]:
         lp_rows = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
         # The raw logits: logprobs describe the model's distribution, not the sampling one.
-        logprobs = torch.log_softmax(_select_rows(logits, lp_rows), dim=-1)
-        chosen = logprobs.gather(1, _select_rows(tokens.unsqueeze(1), lp_rows)).squeeze(1).tolist()
-        k = max(rows[i].num_logprobs or 0 for i in lp_rows)
-        top_values: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if k:
-            values, ids = topk_rows(logprobs, min(k, logprobs.shape[1]))
-            top_values, top_ids = values.tolist(), ids.tolist()
-
+        scored = token_logprobs(
+            _select_rows(logits, lp_rows), _select_rows(tokens, lp_rows), [rows[i].num_logprobs or 0 for i in lp_rows]
+        )
         out = [SampledToken(t) for t in tokens.tolist()]
         for j, i in enumerate(lp_rows):
-            n = rows[i].num_logprobs or 0
-            out[i].logprob = chosen[j]
-            out[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n])) if n else []
+            out[i] = scored[j]
         return out

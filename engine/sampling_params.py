@@ -49,6 +49,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; N = sampled token plus the top N (N <= 20)
+    # None = none; N = each prompt token's logprob plus the top N at its position. Such a request skips
+    # the prefix cache: every prompt position must be computed to be scored.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -72,8 +75,10 @@ class SamplingParams:
         _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                  f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")  # fmt: skip
         self._check_stops()
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")  # fmt: skip
 
     def _check_stops(self) -> None:
         if self.stop is None:

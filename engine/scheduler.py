@@ -79,7 +79,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Give a waiting sequence its cached prefix and blocks for its first chunk; False if they are short."""
-        num_cached = self.block_manager.allocate_cached_prefix(seq)
+        # A request that scores its prompt needs every prompt position computed: no cached prefix for it.
+        num_cached = 0 if seq.prompt_logprobs is not None else self.block_manager.allocate_cached_prefix(seq)
         num_tokens = min(seq.num_uncomputed_tokens, budget)
         if not self.block_manager.allocate_slots(seq, num_tokens):
             self.block_manager.free(seq)

@@ -37,6 +37,8 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.is_first_admission = True
         self.logprobs: list[SampledToken] | None = [] if params.logprobs is not None else None
+        # Per prompt position when asked for: the first token has none (nothing comes before it).
+        self.prompt_logprobs: list[SampledToken | None] | None = [None] if params.prompt_logprobs is not None else None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()

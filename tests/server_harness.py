@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,26 @@ class ThreadedServer:
             self.stop()
         finally:
             self._exit.close()
+
+
+@contextmanager
+def wrapped_execute(engine: Any, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    engine.execute = wrap(type(engine).execute.__get__(engine))
+    try:
+        yield
+    finally:
+        del engine.execute  # back to the class's method
+
+
+def slowed(seconds: float) -> Callable[[Callable], Callable]:
+    def wrap(execute: Callable) -> Callable:
+        def slow_execute(plan: Any) -> Any:
+            time.sleep(seconds)  # runs in the worker thread, like the real forward pass
+            return execute(plan)
+
+        return slow_execute
+
+    return wrap
 
 
 def tiny_engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:

@@ -48,7 +48,7 @@ class Seq:
 def run_step(runner: ModelRunner, plan: list[tuple[Seq, int]]) -> list[tuple[Seq, int]]:
     """Feed up to n tokens of each listed sequence; append sampled tokens; return (seq, token count) that sampled."""
     chunks = [seq.chunk(n) for seq, n in plan]
-    out = runner.run(StepBatch(chunks))
+    out = runner.run(StepBatch(chunks)).sampled
     sampled = [(seq, c) for (seq, _), c in zip(plan, chunks) if c.sampling is not None]
     assert len(out) == len(sampled)
     for (seq, _), chunk in zip(plan, chunks):
@@ -111,7 +111,7 @@ def test_paged_chunked_prefill_and_decode_match_full_forward(kind: str, tiny_lla
 def test_batch_without_sampling_returns_nothing(tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=8)
     runner = ModelRunner(load_model(config), config, sampler=RecordingSampler())
-    assert runner.run(StepBatch([SeqChunk(0, [1, 2, 3, 4, 5], 0, [3, 1], None)])) == []
+    assert runner.run(StepBatch([SeqChunk(0, [1, 2, 3, 4, 5], 0, [3, 1], None)])).sampled == []
 
 
 def test_warmup_and_default_sampler(tiny_llama_dir: Path) -> None:
@@ -119,5 +119,5 @@ def test_warmup_and_default_sampler(tiny_llama_dir: Path) -> None:
     runner = ModelRunner(load_model(config), config)
     runner.warmup()
     assert (runner.num_kv_blocks, runner.block_size) == (8, BLOCK_SIZE)
-    out = runner.run(StepBatch([SeqChunk(0, [1, 2, 3], 0, [5], greedy_row())]))
+    out = runner.run(StepBatch([SeqChunk(0, [1, 2, 3], 0, [5], greedy_row())])).sampled
     assert len(out) == 1 and 0 <= out[0].token_id < runner.model.config.vocab_size

@@ -135,10 +135,11 @@ def greedy_tokens(
     """The model's argmax picks for n steps; with forced, those tokens are fed instead (teacher forcing)."""
     runner = ModelRunner(loaded, config, sampler=argmax_sampler)
     table = list(range(config.num_kv_blocks))
-    picks = [runner.run(StepBatch([SeqChunk(0, prompt, 0, table, GREEDY)]))[0].token_id]
+    picks = [runner.run(StepBatch([SeqChunk(0, prompt, 0, table, GREEDY)])).sampled[0].token_id]
     while len(picks) < n:
         fed = (forced or picks)[len(picks) - 1]
-        picks.append(runner.run(StepBatch([SeqChunk(0, [fed], len(prompt) + len(picks) - 1, table, GREEDY)]))[0].token_id)
+        step = StepBatch([SeqChunk(0, [fed], len(prompt) + len(picks) - 1, table, GREEDY)])
+        picks.append(runner.run(step).sampled[0].token_id)
     return picks
 
 

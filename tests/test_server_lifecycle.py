@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -25,34 +24,16 @@ from server_harness import (
     llm_engine_loader,
     parse_sse,
     server_subprocess,
+    slowed,
     stream_request,
     tiny_engine_config,
     wait_until,
+    wrapped_execute,
 )
 
 MODEL = "tiny"
 LONG = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 SHORT = {"model": MODEL, "prompt": "Hello world", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-
-
-@contextmanager
-def wrapped_execute(engine: Any, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    engine.execute = wrap(type(engine).execute.__get__(engine))
-    try:
-        yield
-    finally:
-        del engine.execute  # back to the class's method
-
-
-def slowed(seconds: float) -> Callable[[Callable], Callable]:
-    def wrap(execute: Callable) -> Callable:
-        def slow_execute(plan: Any) -> Any:
-            time.sleep(seconds)  # runs in the worker thread, like the real forward pass
-            return execute(plan)
-
-        return slow_execute
-
-    return wrap
 
 
 def metric(base_url: str, name: str) -> float:

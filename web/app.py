@@ -6,21 +6,30 @@ from quart import Quart
 
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
+from web.api_keys import install_api_keys
 from web.body_limit import BodyLimit
+from web.chat_page import blueprint as chat_page
+from web.cors import CORS
 from web.errors import register_error_handlers
 from web.routes import blueprint
 from web.services import Services
+from web.tokenizer_routes import blueprint as tokenizer_routes
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
-    app = Quart("sluice")
+    app = Quart("sluice", static_folder=None)  # the chat page's blueprint serves web/static/
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
         BODY_TIMEOUT=config.body_timeout,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
     app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes, config.body_timeout)  # type: ignore[method-assign]
+    if config.cors_origin_list:  # outermost: preflights are answered before anything else, every response marked
+        app.asgi_app = CORS(app.asgi_app, config.cors_origin_list)  # type: ignore[method-assign]
     app.extensions["sluice"] = Services(engine, config)
     register_error_handlers(app)
+    install_api_keys(app, config)
     app.register_blueprint(blueprint)
+    app.register_blueprint(tokenizer_routes)
+    app.register_blueprint(chat_page)
     return app

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from web.errors import error_body
-from web.json_response import dumps
+from web.json_response import send_json
 
 # Beyond this many bytes, reading a body only to refuse it costs more than the reset it avoids.
 MAX_DRAINED_BYTES = 64 * 1024 * 1024
@@ -42,10 +42,7 @@ class BodyLimit:
                     if message["type"] != "http.request" or not message.get("more_body", False):
                         break
         message = f"the request body has {num_bytes} bytes, over the limit of {self.max_body_bytes} (max_body_bytes)"
-        body = dumps(error_body(413, message, code="request_too_large"))
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await send_json(send, 413, error_body(413, message, code="request_too_large"))
 
 
 def _content_length(scope: dict[str, Any]) -> int | None:

@@ -97,6 +97,7 @@ def completion_logprobs(tokens: list[SampledToken], token_text: TokenText, offse
         text, raw = token_text(token.token_id)
         result["tokens"].append(text)
         result["token_logprobs"].append(token.logprob)
-        result["top_logprobs"].append({token_text(tid)[0]: lp for tid, lp in token.top_logprobs or []})
+        top = token.top_logprobs
+        result["top_logprobs"].append(None if top is None else {token_text(tid)[0]: lp for tid, lp in top})
         result["text_offset"].append(offsets.next(raw))
     return result

@@ -31,6 +31,14 @@ class Usage:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """What `echo` puts before a completion: the prompt as text, and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass(slots=True)
 class Completion:
     """A whole result, for the non-streaming responses."""
@@ -38,6 +46,7 @@ class Completion:
     usage: Usage
     text: str = ""
     logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[SampledToken | None] | None = None
     finish_reason: str | None = None
     error: str | None = None
 
@@ -45,6 +54,8 @@ class Completion:
         self.usage.absorb(output)
         self.text += output.text_delta
         self.logprobs.extend(output.logprobs or [])
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             self.finish_reason, self.error = output.finish_reason, output.error
 
@@ -133,9 +144,25 @@ class CompletionResponses(_Responses):
         return self._text("", finish_reason)
 
     def full_response(self, result: Completion) -> dict:
-        logprobs = self._logprobs(result.logprobs) if self.wants_logprobs else None
-        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        return self._response(choice, result.usage)
+        return self.batch_response([result])
+
+    def batch_response(self, results: list[Completion], echoes: list[EchoedPrompt] | None = None) -> dict:
+        """One choice per prompt, in order; with echoes, each text (and its logprobs) starts with its prompt."""
+        choices = [self._choice(i, r, echoes[i] if echoes else None) for i, r in enumerate(results)]
+        usage = Usage(sum(r.usage.prompt_tokens for r in results))
+        usage.completion_tokens = sum(r.usage.completion_tokens for r in results)
+        usage.cached_tokens = sum(r.usage.cached_tokens for r in results)
+        return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
+
+    def _choice(self, index: int, result: Completion, echo: EchoedPrompt | None) -> dict[str, Any]:
+        text, tokens = result.text, result.logprobs
+        if echo is not None:
+            text = echo.text + text
+            scored = result.prompt_logprobs or [None] * len(echo.token_ids)
+            # The first prompt token has no logprob (nothing comes before it): no top_logprobs either.
+            tokens = [s or SampledToken(t) for t, s in zip(echo.token_ids, scored)] + tokens
+        logprobs = completion_logprobs(tokens, self.token_text, TextOffsets()) if self.wants_logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
 
 
 ResponseFormat = ChatResponses | CompletionResponses

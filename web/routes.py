@@ -18,7 +18,7 @@ from engine.request_stream import RequestStream
 from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
-from web.responses import ChatResponses, Completion, CompletionResponses, ResponseFormat, Usage
+from web.responses import ChatResponses, Completion, CompletionResponses, EchoedPrompt, ResponseFormat, Usage
 from web.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from web.services import Services, services
 from web.sse import sse_response
@@ -43,15 +43,35 @@ async def completions() -> Response:
     data, entry = await receive_body(s)
     body = parse_request(CompletionRequest, parse_json(data))
     fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage)
-    prepared = await s.engine.prepare_prompt(fmt.id, body.single_prompt(), body.to_sampling_params())
-    return await generate(s, entry, fmt, prepared, bool(body.stream))
+    prompts = body.prompts()
+    if len(prompts) > s.config.max_pending:
+        raise APIError(400, f"{len(prompts)} prompts: at most max_pending ({s.config.max_pending}) per request",
+                       param="prompt")  # fmt: skip
+    params = body.to_sampling_params()
+    if len(prompts) == 1 and not body.echo:
+        prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
+        return await generate(s, entry, fmt, prepared, bool(body.stream))
+    batch = [await s.engine.prepare_prompt(f"{fmt.id}-{i}", p, params) for i, p in enumerate(prompts)]
+    echoes = None
+    if body.echo:
+        texts = [p if isinstance(p, str) else await s.engine.decode(p) for p in prompts]
+        echoes = [EchoedPrompt(text, r.prompt_token_ids) for text, r in zip(texts, batch)]
+    return json_response(fmt.batch_response(await generate_batch(s, entry, batch), echoes))
 
 
 @blueprint.get("/v1/models")
 async def models() -> Response:
+    return json_response({"object": "list", "data": [model_card(services())]})
+
+
+@blueprint.get("/v1/models/<path:model_id>")
+async def model(model_id: str) -> Response:
     s = services()
-    model = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
-    return json_response({"object": "list", "data": [model]})
+    return json_response(model_card(s, s.check_model(model_id)))
+
+
+def model_card(s: Services, model_id: str | None = None) -> dict[str, Any]:
+    return {"id": model_id or s.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
 
 
 @blueprint.get("/health")
@@ -102,18 +122,50 @@ def parse_json(data: bytes) -> Any:
 
 
 async def generate(s: Services, entry: float, fmt: ResponseFormat, prepared: PreparedRequest, streaming: bool) -> Response:
+    (stream,) = submit(s, entry, [prepared])
+    timer = RequestTimer(s.metrics, stream)
+    if streaming:
+        return sse_response(stream, fmt, timer, s.engine.abort)
+    result = await collect(s, stream, timer)
+    check_finished(result)
+    return json_response(fmt.full_response(result))
+
+
+async def generate_batch(s: Services, entry: float, batch: list[PreparedRequest]) -> list[Completion]:
+    """Every prompt of one request runs at once; a failed one fails the request (after the rest ended)."""
+    streams = submit(s, entry, batch)
+    results: list[Completion] = [Completion(Usage(prompt_tokens=r.num_prompt_tokens)) for r in streams]
+
+    async def collect_into(i: int) -> None:
+        results[i] = await collect(s, streams[i], RequestTimer(s.metrics, streams[i]))
+
     try:
-        stream = s.engine.submit(prepared)
+        async with anyio.create_task_group() as tg:
+            for i in range(len(streams)):
+                tg.start_soon(collect_into, i)
+    finally:
+        for stream in streams:  # the handler was cancelled before every task started: abort the rest
+            s.engine.abort(stream.request_id)
+    for result in results:
+        check_finished(result)
+    return results
+
+
+def submit(s: Services, entry: float, batch: list[PreparedRequest]) -> list[RequestStream]:
+    """Admit all or none: a full admission queue (429) aborts the ones this request already queued."""
+    streams: list[RequestStream] = []
+    try:
+        for prepared in batch:
+            streams.append(s.engine.submit(prepared))
     except QueueFull as error:
+        for stream in streams:
+            s.engine.abort(stream.request_id)
         s.metrics.admission.observe(time.perf_counter() - entry)
         s.metrics.rejected.inc()
         retry_after = {"Retry-After": str(s.config.retry_after_seconds)}
         raise APIError(429, f"the server is busy: {error}", code="queue_full", headers=retry_after) from None
     s.metrics.admission.observe(time.perf_counter() - entry)
-    timer = RequestTimer(s.metrics, stream)
-    if streaming:
-        return sse_response(stream, fmt, timer, s.engine.abort)
-    return json_response(fmt.full_response(await collect(s, stream, timer)))
+    return streams
 
 
 async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Completion:
@@ -127,6 +179,9 @@ async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Co
         s.engine.abort(stream.request_id)
         if not timer.ended:  # the client left (the handler was cancelled)
             timer.end(FinishReason.ABORT)
+    return result
+
+
+def check_finished(result: Completion) -> None:
     if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
         raise APIError(500, result.error or "the request ended without a result", code="engine_error")
-    return result

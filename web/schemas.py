@@ -19,10 +19,16 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class SamplingFields(BaseModel):
+class RequestBody(BaseModel):
+    model_config = StrictModel
+
+    def check_supported(self) -> None:
+        """400 for what validates but this server does not do."""
+
+
+class SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
 
-    model_config = StrictModel
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -57,7 +63,9 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
         return SamplingParams(
             max_tokens=max_tokens,
@@ -76,6 +84,7 @@ class SamplingFields(BaseModel):
             skip_special_tokens=_default(self.skip_special_tokens, True),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -139,27 +148,52 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.stream and self.echo:
+            raise APIError(400, "echo is supported without stream only", param="echo")
+        if self.stream and len(self.prompts()) > 1:
+            raise APIError(400, "a stream takes one prompt: send several prompts without stream", param="prompt")
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt (a string or token ids) or a batch of them: one choice each, in order."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        return prompt  # type: ignore[return-value]
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        # OpenAI's legacy default for /v1/completions is 16 tokens.
-        return self.sampling_params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs)
+        # OpenAI's legacy default for /v1/completions is 16 tokens. With echo, logprobs cover the prompt too.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self.sampling_params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs, prompt_logprobs)
 
 
-RequestModel = TypeVar("RequestModel", bound=SamplingFields)
+class TokenizeRequest(RequestBody):
+    """/tokenize, as vLLM's: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+
+
+class DetokenizeRequest(RequestBody):
+    model: str | None = None
+    tokens: list[int]
+
+
+RequestModel = TypeVar("RequestModel", bound=RequestBody)
 
 
 def parse_request(model: type[RequestModel], body: Any) -> RequestModel:

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import fields
 from functools import partial
 
 import anyio
@@ -24,7 +23,8 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
 from engine.async_engine import AsyncEngine, EngineState
-from engine.config import EngineConfig, ServerConfig, SluiceConfig, load_config
+from engine.config import ServerConfig, SluiceConfig
+from web.config_flags import add_config_flags, config_from_args
 
 logger = logging.getLogger("sluice.server")
 
@@ -133,32 +133,19 @@ async def _drain_on_stop(
     shutdown.set()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server") -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m web.server",
-        description="Sluice, an OpenAI-compatible server. Flags override SLUICE_<KEY> environment variables, "
-        "which override the config file.",
+        prog=prog,
+        description="Sluice, an OpenAI-compatible server with a chat page at /. Flags override SLUICE_<KEY> "
+        "environment variables, which override the config file.",
     )
-    parser.add_argument("--config", help="a config.toml (default: the repository's)")
-    for cls in (EngineConfig, ServerConfig):
-        for f in fields(cls):
-            flag = f"--{f.name.replace('_', '-')}"
-            parser.add_argument(flag, dest=f.name, help=f"[{cls.__name__}] default {f.default!r}")
+    add_config_flags(parser)
     return parser.parse_args(argv)
 
 
-def load_from_args(args: argparse.Namespace) -> SluiceConfig:
-    values = vars(args)
-    return load_config(
-        values.get("config"),
-        engine_overrides={f.name: values.get(f.name) for f in fields(EngineConfig)},
-        server_overrides={f.name: values.get(f.name) for f in fields(ServerConfig)},
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> int:
     try:
-        config = load_from_args(parse_args(argv))
+        config = config_from_args(parse_args(argv, prog))
     except ValueError as error:
         print(f"configuration error: {error}", file=sys.stderr)
         return 2
