@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hostile.add_argument("--long-output-tokens", type=int, default=1024,
                          help="--soak: max_tokens of clients that disconnect or never read (default %(default)s)")
     hostile.add_argument("--never-read-seconds", type=float, default=20.0, help="--soak: how long a never-read client holds on")
+    hostile.add_argument("--checkpoints", type=int, default=3,
+                         help="--soak: rests with figures during the soak, the last at the end (default %(default)s)")
     hostile.add_argument("--settle-seconds", type=float, default=30.0, help="--soak: longest wait at rest before a figure")
     args = p.parse_args(argv)
     if (args.soak or args.abuse) and (args.compare or args.sweep or args.peer):
@@ -275,7 +277,7 @@ async def run_hostile(args: argparse.Namespace, stack: ExitStack) -> int:
             output_tokens=args.output_tokens or soak.SoakConfig.output_tokens,
             long_output_tokens=args.long_output_tokens,
             never_read_seconds=args.never_read_seconds, request_timeout=min(args.timeout, 120.0),
-            settle_seconds=args.settle_seconds, seed=args.seed)
+            settle_seconds=args.settle_seconds, checkpoints=args.checkpoints, seed=args.seed)
         result = await soak.run_soak(target, pid, config, log)
         text, data, is_ok = soak.report(result), soak.to_json(result), result.is_clean
     else:

@@ -52,6 +52,7 @@ class SoakConfig:
     request_timeout: float = 120.0
     health_interval: float = 0.25
     settle_seconds: float = 30.0  # longest wait at rest for the figures to come back (pool threads expire)
+    checkpoints: int = 3  # rests during the soak (the last one gives the end figures): a leak rises at each
     rss_floor_bytes: int = growth.RSS_FLOOR_BYTES
     seed: int = 0
 
@@ -68,6 +69,8 @@ class SoakResult:
     start_health: HealthSample | None = None
     end_health: HealthSample | None = None
     samples: list[ProcessSample] = field(default_factory=list)  # during the soak
+    priming: list[hostile.Outcome] = field(default_factory=list)  # before the start figures, not counted below
+    checkpoints: list[tuple[float, ProcessSample | None]] = field(default_factory=list)  # (s into the soak, at rest)
     outcomes: list[hostile.Outcome] = field(default_factory=list)
     health: list[HealthSample] = field(default_factory=list)  # during the soak
     server_died: bool = False
@@ -91,26 +94,22 @@ class SoakResult:
         return (not self.server_died and not growth.has_grown(self.verdicts) and not self.kv_blocks_leaked
                 and (self.end_health is None or health_probe.is_idle(self.end_health)))
 
-    def counts(self) -> dict[str, dict[str, int]]:
-        table: dict[str, Counter] = {}
-        for o in self.outcomes:
-            table.setdefault(o.kind, Counter())[o.outcome] += 1
-        return {kind: dict(counter) for kind, counter in sorted(table.items())}
-
     def summary(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "pid": self.pid,
             "config": asdict(self.config),
             "warmup": self.warmup,
+            "priming": _counts(self.priming),
             "soak_seconds": self.soak_seconds,
             "sent": len(self.outcomes),
-            "outcomes": self.counts(),
+            "outcomes": _counts(self.outcomes),
             "failure_samples": sorted({f"{o.kind}: {o.detail}" for o in self.outcomes
                                        if o.outcome in hostile.FAILURES | {"unexpected"}})[:10],
             "start": asdict(self.start) if self.start else None,
             "end": asdict(self.end) if self.end else None,
             "peak": _peak(self.samples),
+            "checkpoints": [{"seconds": t, **(asdict(p) if p else {})} for t, p in self.checkpoints],
             "verdicts": [{**asdict(v), "delta": v.delta, "is_growth": v.is_growth} for v in self.verdicts],
             "start_health": self.start_health.body if self.start_health else None,
             "end_health": self.end_health.body if self.end_health else None,
@@ -120,6 +119,13 @@ class SoakResult:
             "server_died": self.server_died,
             "is_clean": self.is_clean,
         }
+
+
+def _counts(outcomes: list[hostile.Outcome]) -> dict[str, dict[str, int]]:
+    table: dict[str, Counter] = {}
+    for o in outcomes:
+        table.setdefault(o.kind, Counter())[o.outcome] += 1
+    return {kind: dict(counter) for kind, counter in sorted(table.items())}
 
 
 def _peak(samples: list[ProcessSample]) -> dict[str, int] | None:
@@ -167,7 +173,10 @@ async def rest(root: str, pid: int | None, baseline: ProcessSample | None, settl
             health = await health_probe.probe(client, root)
             now = time.monotonic()
             idle_since = (idle_since or now) if health_probe.is_idle(health) else None
-            sample = read_process(pid) if pid is not None else None
+            try:
+                sample = read_process(pid) if pid is not None else None
+            except (OSError, ValueError):
+                return None, health  # the server is gone
             is_rested = idle_since is not None and now - idle_since >= MIN_REST_SECONDS
             is_back = baseline is None or sample is None or (
                 sample.num_fds <= baseline.num_fds and sample.num_threads <= baseline.num_threads)
@@ -179,11 +188,10 @@ async def rest(root: str, pid: int | None, baseline: ProcessSample | None, settl
 class SoakClients:
     """Workers that pick a behaviour at random (seeded) until the deadline."""
 
-    def __init__(self, target: Target, config: SoakConfig, options: RequestOptions, out: list[hostile.Outcome]) -> None:
+    def __init__(self, target: Target, config: SoakConfig, options: RequestOptions) -> None:
         self.target = target
         self.config = config
         self.options = options
-        self.out = out
         self.host, self.port = hostile.require_loopback(target.root)
         self.specs = build_workload(512, config.prompt_tokens, config.output_tokens, config.seed)
         self.long_specs = build_workload(64, config.prompt_tokens, LengthDist("fixed", config.long_output_tokens),
@@ -193,16 +201,32 @@ class SoakClients:
         self.bad_weights = [1 if b.is_heavy else 4 for b in bad]
         self.never_read_slots = asyncio.Semaphore(config.max_never_read)
 
-    async def run(self, deadline: float) -> None:
+    async def run(self, deadline: float, segment: int, out: list[hostile.Outcome]) -> None:
         async with make_client(self.config.concurrency) as client:
-            await asyncio.gather(*(self._worker(client, i, deadline) for i in range(self.config.concurrency)))
+            await asyncio.gather(*(self._worker(client, random.Random(f"{self.config.seed}/{segment}/{i}"), deadline, out)
+                                   for i in range(self.config.concurrency)))
 
-    async def _worker(self, client: httpx.AsyncClient, index: int, deadline: float) -> None:
-        rng = random.Random(self.config.seed * 1000 + index)
+    async def prime(self, out: list[hostile.Outcome]) -> None:
+        """Every kind of request, `concurrency` at once (never-read: as many as the soak holds open): the
+        allocator's high-water marks (a megabyte prompt tokenized 8 times at once) are reached before the start
+        figure, so what the soak adds is accumulation, not a first peak."""
+        n = self.config.concurrency
+        rng = random.Random(self.config.seed)
+        async with make_client(n) as client:
+            for bad in self.bad:
+                out += await asyncio.gather(*(hostile.send_bad(client, self.target.root, bad, self.config.request_timeout)
+                                              for _ in range(n)))
+            for kind in ("stream", "non-stream", "disconnect"):
+                out += await asyncio.gather(*(self._one(client, kind, rng, math.inf) for _ in range(n)))
+            out += await asyncio.gather(*(self._one(client, "never-read", rng, math.inf)
+                                          for _ in range(self.config.max_never_read)))
+
+    async def _worker(self, client: httpx.AsyncClient, rng: random.Random, deadline: float,
+                      out: list[hostile.Outcome]) -> None:
         kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
         while time.monotonic() < deadline:
             kind = rng.choices(kinds, weights)[0]
-            self.out.append(await self._one(client, kind, rng, deadline))
+            out.append(await self._one(client, kind, rng, deadline))
 
     async def _one(self, client: httpx.AsyncClient, kind: str, rng: random.Random, deadline: float) -> hostile.Outcome:
         spec: RequestSpec = rng.choice(self.specs)
@@ -239,31 +263,47 @@ async def run_soak(target: Target, pid: int | None, config: SoakConfig, log=prin
     log(f"soak: warm-up, {config.warmup_concurrency} streams of {config.warmup_prompt_tokens}+"
         f"{config.warmup_output_tokens} tokens")
     result.warmup = await warm_kv_pool(target, config, options)
-    log(f"soak: warm-up done in {result.warmup['seconds']:.0f} s; resting")
+    clients = SoakClients(target, config, options)
+    log(f"soak: warm-up done in {result.warmup['seconds']:.0f} s; priming: every kind of request, "
+        f"{config.concurrency} at once")
+    await clients.prime(result.priming)
+    log("soak: resting")
     result.start, result.start_health = await rest(target.root, pid, None, config.settle_seconds)
-    log(f"soak: {config.duration:g} s of mixed load, {config.concurrency} clients")
-    died = asyncio.Event()
-    watchers = []
-    async with make_client(1) as health_client:
-        watchers.append(asyncio.create_task(
-            health_probe.sample_until_cancelled(health_client, target.root, config.health_interval, result.health)))
-        if pid is not None:
-            watchers.append(asyncio.create_task(_watch_process(pid, result.samples, died)))
-        started = time.monotonic()
-        clients = asyncio.create_task(SoakClients(target, config, options, result.outcomes).run(started + config.duration))
-        death = asyncio.create_task(died.wait())
-        try:
-            await asyncio.wait({clients, death}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (clients, death, *watchers):
-                task.cancel()
-            await asyncio.gather(clients, death, *watchers, return_exceptions=True)
+    started = time.monotonic()
+    for segment in range(max(1, config.checkpoints)):
+        until = started + config.duration * (segment + 1) / max(1, config.checkpoints)
+        log(f"soak: mixed load, {config.concurrency} clients, until {until - started:.0f} s")
+        result.server_died = await _soak_segment(target, pid, config, clients, segment, until, result)
         result.soak_seconds = time.monotonic() - started
-    result.server_died = died.is_set()
-    if not result.server_died:
+        if result.server_died:
+            break
         log("soak: resting")
         result.end, result.end_health = await rest(target.root, pid, result.start, config.settle_seconds)
+        result.checkpoints.append((result.soak_seconds, result.end))
+        if pid is not None and result.end is None:
+            result.server_died = True
+            break
     return result
+
+
+async def _soak_segment(target: Target, pid: int | None, config: SoakConfig, clients: SoakClients, segment: int,
+                        until: float, result: SoakResult) -> bool:
+    """Mixed load until `until`, with /health and /proc sampled; True when the server died meanwhile."""
+    died = asyncio.Event()
+    async with make_client(1) as health_client:
+        watchers = [asyncio.create_task(
+            health_probe.sample_until_cancelled(health_client, target.root, config.health_interval, result.health))]
+        if pid is not None:
+            watchers.append(asyncio.create_task(_watch_process(pid, result.samples, died)))
+        load = asyncio.create_task(clients.run(until, segment, result.outcomes))
+        death = asyncio.create_task(died.wait())
+        try:
+            await asyncio.wait({load, death}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (load, death, *watchers):
+                task.cancel()
+            await asyncio.gather(load, death, *watchers, return_exceptions=True)
+    return died.is_set()
 
 
 def report(result: SoakResult) -> str:
@@ -276,6 +316,9 @@ def report(result: SoakResult) -> str:
         f"pool of {warm.get('pool_tokens') or '?'}; lowest free KV blocks seen "
         f"{warm.get('min_free_kv_blocks', '?')}/{warm.get('total_kv_blocks') or '?'}",
     ]
+    primed = sum(n for by in s["priming"].values() for n in by.values())
+    primed_failed = sum(n for by in s["priming"].values() for o, n in by.items() if o in hostile.FAILURES)
+    lines.append(f"priming (before the start figures): {primed} requests of every kind, {primed_failed} failed")
     if warm.get("completed") == 0:
         lines.append(f"WARNING: no warm-up request completed, the KV pool was not warmed: {warm.get('error_samples')}")
     lines += ["", _outcome_table(s["outcomes"])]
@@ -285,6 +328,10 @@ def report(result: SoakResult) -> str:
     if result.pid is None:
         lines.append("  unknown pid: pass --server-pid to measure a server bench did not start")
     lines += [f"  {v.describe()}" for v in result.verdicts]
+    if len(result.checkpoints) > 1:
+        lines.append("  rss at rest: start " + ", ".join(
+            [f"{result.start.rss_bytes / growth.MIB:.1f}" if result.start else "?"]
+            + [f"{t:.0f} s {p.rss_bytes / growth.MIB:.1f}" for t, p in result.checkpoints if p]) + " MiB")
     if s["peak"]:
         peak = s["peak"]
         lines.append(f"  peak during the soak: rss {peak['rss_bytes'] / growth.MIB:.1f} MiB, "

@@ -191,17 +191,14 @@ def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> Non
     def stat_state(process: subprocess.Popen) -> str:
         return Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0]
 
-    def state(process: subprocess.Popen) -> str:
-        """The state once a signal sent just now has been delivered (SIGSTOP/SIGCONT land asynchronously)."""
-        deadline = time.monotonic() + 2
-        seen = stat_state(process)
-        while time.monotonic() < deadline:
+    def stopped(expected: list[bool]) -> list[bool]:
+        """Which are stopped (T), waiting up to 10 s for `expected`: SIGSTOP/SIGCONT land when the process is scheduled."""
+        deadline = time.monotonic() + 10
+        while True:
+            seen = [stat_state(s.process) == "T" for s in started.values()]
+            if seen == expected or time.monotonic() > deadline:
+                return seen
             time.sleep(0.02)
-            now = stat_state(process)
-            if now == seen:
-                return now
-            seen = now
-        return seen
 
     started = {
         name: servers.ManagedServer(
@@ -211,9 +208,9 @@ def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> Non
     }
     try:
         servers.focus(started, "a")
-        assert [state(s.process) == "T" for s in started.values()] == [False, True]  # T: stopped
+        assert stopped([False, True]) == [False, True]  # T: stopped
         servers.focus(started, None)
-        assert [state(s.process) == "T" for s in started.values()] == [False, False]
+        assert stopped([False, False]) == [False, False]
         servers.focus(started, "b")
     finally:
         for server in started.values():
