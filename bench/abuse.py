@@ -122,12 +122,14 @@ def report(result: AbuseResult) -> str:
     lines = [f"abuse of {result.url}: {s['abuse_seconds']:.0f} s, {result.config.abusers} clients, {s['sent']} bad "
              f"requests ({s['failures']} failed: 5xx, reset or timeout)", "", format_rows(rows), "",
              "answers by kind (outcome and status):"]
-    lines += [f"  {kind}: " + ", ".join(f"{k} x{n}" for k, n in sorted(by.items())) for kind, by in s["outcomes"].items()]
+    lines += [f"  {kind}: " + ", ".join(f"{k} x{n}" for k, n in sorted(by.items()))
+              for kind, by in s["outcomes"].items()]
     if s["failure_samples"]:
         lines += ["failures and unexpected answers seen:"] + [f"  {f}" for f in s["failure_samples"]]
     p99 = s["health_s"]["p99"]
     target = f"{HEALTH_P99_TARGET_S * 1e3:.0f} ms"
-    verdict = "no probes" if p99 is None else f"/health p99 {p99 * 1e3:.1f} ms: {'meets' if s['meets_target'] else 'MISSES'} the {target} target"
+    meets = "meets" if s["meets_target"] else "MISSES"
+    verdict = "no probes" if p99 is None else f"/health p99 {p99 * 1e3:.1f} ms: {meets} the {target} target"
     return "\n".join(lines + ["", verdict])
 
 

@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "64 for --rate; the burst size for --burst)")
     p.add_argument("--max-duration", type=float, help="stop issuing requests after this many seconds per level")
     p.add_argument("--prompt-tokens", type=LengthDist.parse,
-                   help="prompt length: 128, uniform:64:192, normal:128:32 or exp:128 (default 128; --soak uniform:8:256)")
+                   help="prompt length: 128, uniform:64:192, normal:128:32 or exp:128 "
+                   "(default 128; --soak uniform:8:256)")
     p.add_argument("--output-tokens", type=LengthDist.parse,
                    help="max_tokens per request, same syntax (default 128; --soak uniform:4:64)")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens of prompt prefix common to all requests")

@@ -37,10 +37,12 @@ class Growth:
 
     def describe(self) -> str:
         if self.name == "rss_bytes":
-            values = f"{self.start / MIB:.1f} -> {self.end / MIB:.1f} MiB ({self.delta / MIB:+.1f}, noise <= {self.allowance / MIB:.0f})"
+            start, end, delta, allowance = (f"{v / MIB:.1f}" for v in (self.start, self.end, self.delta, self.allowance))
+            values = f"{start} -> {end} MiB ({'+' if self.delta >= 0 else ''}{delta}, noise <= {allowance})"
         else:
             values = f"{self.start} -> {self.end} ({self.delta:+d}, noise <= {self.allowance})"
-        return f"{self.name.removeprefix('num_').removesuffix('_bytes'):8s} {values}: {'GROWTH' if self.is_growth else 'ok'}"
+        label = self.name.removeprefix("num_").removesuffix("_bytes")
+        return f"{label:8s} {values}: {'GROWTH' if self.is_growth else 'ok'}"
 
 
 def rss_allowance(start_bytes: int, floor: int = RSS_FLOOR_BYTES, fraction: float = RSS_FRACTION) -> int:

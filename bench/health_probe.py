@@ -31,7 +31,8 @@ async def probe(client: httpx.AsyncClient, root: str, timeout: float = PROBE_TIM
     return HealthSample(at, time.perf_counter() - start, response.status_code, body if isinstance(body, dict) else None)
 
 
-async def sample_until_cancelled(client: httpx.AsyncClient, root: str, interval: float, out: list[HealthSample]) -> None:
+async def sample_until_cancelled(client: httpx.AsyncClient, root: str, interval: float,
+                                 out: list[HealthSample]) -> None:
     while True:
         sample = await probe(client, root)
         out.append(sample)

@@ -151,7 +151,8 @@ async def disconnect_mid_stream(
     """Reads `after_events` events, then closes the connection (httpx drops a connection whose body is unread)."""
 
     async def body() -> Outcome:
-        async with client.stream("POST", target.root + endpoint_path(options), json=build_body(target, spec, options)) as response:
+        url = target.root + endpoint_path(options)
+        async with client.stream("POST", url, json=build_body(target, spec, options)) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", errors="replace")
                 return Outcome("disconnect", _status_outcome(response.status_code, frozenset()), response.status_code,

@@ -203,8 +203,8 @@ class SoakClients:
 
     async def run(self, deadline: float, segment: int, out: list[hostile.Outcome]) -> None:
         async with make_client(self.config.concurrency) as client:
-            await asyncio.gather(*(self._worker(client, random.Random(f"{self.config.seed}/{segment}/{i}"), deadline, out)
-                                   for i in range(self.config.concurrency)))
+            rngs = [random.Random(f"{self.config.seed}/{segment}/{i}") for i in range(self.config.concurrency)]
+            await asyncio.gather(*(self._worker(client, rng, deadline, out) for rng in rngs))
 
     async def prime(self, out: list[hostile.Outcome]) -> None:
         """Every kind of request, `concurrency` at once (never-read: as many as the soak holds open): the
@@ -213,9 +213,9 @@ class SoakClients:
         n = self.config.concurrency
         rng = random.Random(self.config.seed)
         async with make_client(n) as client:
+            timeout = self.config.request_timeout
             for bad in self.bad:
-                out += await asyncio.gather(*(hostile.send_bad(client, self.target.root, bad, self.config.request_timeout)
-                                              for _ in range(n)))
+                out += await asyncio.gather(*(hostile.send_bad(client, self.target.root, bad, timeout) for _ in range(n)))
             for kind in ("stream", "non-stream", "disconnect"):
                 out += await asyncio.gather(*(self._one(client, kind, rng, math.inf) for _ in range(n)))
             out += await asyncio.gather(*(self._one(client, "never-read", rng, math.inf)
@@ -312,8 +312,8 @@ def report(result: SoakResult) -> str:
     lines = [
         f"soak of {result.url} (pid {result.pid if result.pid is not None else 'unknown'}): "
         f"{s['soak_seconds']:.0f} s, {result.config.concurrency} clients, {s['sent']} requests",
-        f"warm-up: {warm.get('requests')} requests ({warm.get('errors')} errors), {warm.get('tokens')} tokens through a "
-        f"pool of {warm.get('pool_tokens') or '?'}; lowest free KV blocks seen "
+        f"warm-up: {warm.get('requests')} requests ({warm.get('errors')} errors), {warm.get('tokens')} tokens "
+        f"through a pool of {warm.get('pool_tokens') or '?'}; lowest free KV blocks seen "
         f"{warm.get('min_free_kv_blocks', '?')}/{warm.get('total_kv_blocks') or '?'}",
     ]
     primed = sum(n for by in s["priming"].values() for n in by.values())
@@ -341,7 +341,8 @@ def report(result: SoakResult) -> str:
     if h["n"]:
         lines.append(f"  /health during the soak: p50/p95/p99 {h['p50'] * 1e3:.1f}/{h['p95'] * 1e3:.1f}/"
                      f"{h['p99'] * 1e3:.1f} ms over {h['n']} probes, {s['health_failed']} not 200")
-    verdict = "server died" if result.server_died else "clean: no growth beyond noise" if result.is_clean else "NOT clean"
+    verdict = "clean: no growth beyond noise" if result.is_clean else "NOT clean"
+    verdict = "server died" if result.server_died else verdict
     if result.kv_blocks_leaked:
         verdict += f"; {result.kv_blocks_leaked} KV blocks not free at rest"
     return "\n".join(lines + ["", f"verdict: {verdict}"])
@@ -349,7 +350,8 @@ def report(result: SoakResult) -> str:
 
 def _outcome_table(counts: dict[str, dict[str, int]]) -> str:
     rows = [["kind", "sent", *hostile.OUTCOMES]]
-    rows += [[kind, str(sum(by.values())), *(str(by.get(o, 0)) for o in hostile.OUTCOMES)] for kind, by in counts.items()]
+    rows += [[kind, str(sum(by.values())), *(str(by.get(o, 0)) for o in hostile.OUTCOMES)]
+             for kind, by in counts.items()]
     return format_rows(rows)
 
 

@@ -37,7 +37,8 @@ def test_soak_accounts_for_every_request_and_reports_the_process(sluice, tmp_pat
     url, pid = sluice
     out = tmp_path / "soak.json"
     done = run_bench(["--soak", "--url", url, "--server-pid", str(pid), "--duration", "8", "--concurrency", "6",
-                      "--never-read-seconds", "2", "--settle-seconds", "15", "--checkpoints", "2", "--json", str(out), *TINY_WORKLOAD])
+                      "--never-read-seconds", "2", "--settle-seconds", "15", "--checkpoints", "2", "--json", str(out),
+                      *TINY_WORKLOAD])
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: the server did not hold up (its verdict, not ours)
     data = json.loads(out.read_text())
     assert data["pid"] == pid and data["sent"] == len(data["requests"]) > 0
