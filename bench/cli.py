@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 from tqdm import tqdm
 
-from bench import abuse, report, servers, soak
+from bench import abuse, proc, report, servers, soak
 from bench.client import RequestOptions, RequestResult, Target, discover_model, send_request
 from bench.hostile import require_loopback
 from bench.llama_peer import LlamaPeer, check_binary, resolve_gguf
@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        "input for --duration s; the server's RSS, fds and threads at rest at the start and the end")
     modes.add_argument("--abuse", action="store_true", help="/health latency while bad input is sent and rejected")
     hostile.add_argument("--duration", type=float, help="seconds of load (default 600 for --soak, 30 for --abuse)")
-    hostile.add_argument("--server-pid", type=int, help="PID of the server at --url, for its /proc figures")
+    hostile.add_argument("--server-pid", type=int, help="PID of the server at --url, for its /proc figures "
+                         "(default: the process listening on its port, when readable)")
     hostile.add_argument("--abusers", type=int, default=4, help="--abuse: clients sending bad input (default %(default)s)")
     hostile.add_argument("--warmup-concurrency", type=int, default=32, help="--soak: streams of the KV warm-up")
     hostile.add_argument("--warmup-prompt-tokens", type=int, default=896, help="--soak: prompt length of the warm-up")
@@ -250,8 +251,10 @@ async def run_hostile(args: argparse.Namespace, stack: ExitStack) -> int:
     """--soak or --abuse against --url (its PID from --server-pid) or a Sluice server started here.
     Exit status 1 when the server did not hold up (growth, a death, missed /health target or failures)."""
     if args.url:
-        require_loopback(args.url)
-        root, pid = args.url, args.server_pid
+        _, port = require_loopback(args.url)
+        root, pid = args.url, args.server_pid or proc.listening_pid(port)
+        if pid is not None and args.server_pid is None:
+            print(f"bench: the server at {args.url} is process {pid} (the one listening on port {port})", file=sys.stderr)
     else:
         port = servers.free_port()
         root = f"http://127.0.0.1:{port}"

@@ -45,3 +45,34 @@ def is_alive(pid: int, proc: Path = PROC) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def listening_inodes(port: int, proc: Path = PROC) -> set[str]:
+    """Socket inodes listening on `port` (any address), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def listening_pid(port: int, proc: Path = PROC) -> int | None:
+    """The process holding the socket that listens on `port` (readable processes only), or None."""
+    wanted = {f"socket:[{inode}]" for inode in listening_inodes(port, proc)}
+    if not wanted:
+        return None
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in wanted for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
+        except OSError:
+            continue
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from bench import growth, hostile, llama_peer, soak
 from bench.bad_input import MIB, NUM_TOKEN_IDS, catalogue
 from bench.health_probe import HealthSample, is_idle
-from bench.proc import ProcessSample, is_alive, parse_status, read_process
+from bench.proc import ProcessSample, is_alive, listening_pid, parse_status, read_process
 from bench.runner import LoadShape
 
 STATUS = """Name:\tpython
@@ -160,3 +161,12 @@ def test_llama_peer_uses_the_gguf_sluice_serves() -> None:
     assert default.is_file() and default.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     with pytest.raises(SystemExit):
         llama_peer.resolve_gguf(None, "/some/hf-folder")
+
+
+def test_the_process_listening_on_a_port_is_found() -> None:
+    with socket.socket() as listener, socket.socket() as bound_only:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        bound_only.bind(("127.0.0.1", 0))
+        assert listening_pid(listener.getsockname()[1]) == os.getpid()
+        assert listening_pid(bound_only.getsockname()[1]) is None  # bound, not listening
