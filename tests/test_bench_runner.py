@@ -216,3 +216,32 @@ def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> Non
         for server in started.values():
             servers.stop(server, grace=5)  # resumes a paused server so that SIGTERM ends it
     assert all(s.process.returncode is not None for s in started.values())
+
+
+def test_a_request_the_server_dropped_unanswered_is_sent_once_more() -> None:
+    stub = Stub()
+    calls: list[int] = []
+
+    async def drop_first_attempts(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return await stub(request)
+        calls.append(1)
+        if len(calls) % 2 == 1:  # every request is dropped the first time
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return await stub(request)
+
+    workload = specs(4, "3")
+    result = asyncio.run(run_level(TARGET, workload, LoadShape("closed", 1), RequestOptions(), None, None,
+                                   httpx.MockTransport(drop_first_attempts)))
+    assert len(calls) == 8 and all(r.retried for r in result.requests)
+    assert result.summary()["retried"] == 4 and [r.outcome for r in result.requests] == ["ok"] * 4
+
+    def always_drop(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return httpx.Response(404)
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    result = asyncio.run(run_level(TARGET, specs(2), LoadShape("closed", 1), RequestOptions(), None, None,
+                                   httpx.MockTransport(always_drop)))
+    assert [r.outcome for r in result.requests] == ["error", "error"]  # only once more, then it is an error
+    assert all(r.retried and "RemoteProtocolError" in r.error for r in result.requests)
