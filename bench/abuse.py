@@ -9,7 +9,6 @@ under 50 ms. Every request and every probe is counted, a failed probe with its w
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -79,13 +78,11 @@ async def _abuser(client: httpx.AsyncClient, root: str, requests: list[BadReques
         index += 1
 
 
-async def _probe_for(root: str, seconds: float, interval: float, out: list[HealthSample]) -> None:
-    async with make_client(1) as client:
-        try:
-            async with asyncio.timeout(None if math.isinf(seconds) else seconds):
-                await health_probe.sample_until_cancelled(client, root, interval, out)
-        except TimeoutError:
-            pass
+async def _probe_for(root: str, seconds: float, interval: float) -> list[HealthSample]:
+    prober = health_probe.ProbeProcess(root, interval)
+    await prober.start()
+    await asyncio.sleep(seconds)
+    return await prober.stop()
 
 
 async def run_abuse(target: Target, config: AbuseConfig, log=print) -> AbuseResult:
@@ -94,19 +91,20 @@ async def run_abuse(target: Target, config: AbuseConfig, log=print) -> AbuseResu
     by_name = {bad.name: bad for bad in catalogue(target.model or "", config.seed)}
     requests = [by_name[name] for name in ABUSE_KINDS]
     log(f"abuse: /health alone for {config.baseline_seconds:g} s")
-    await _probe_for(target.root, config.baseline_seconds, config.health_interval, result.baseline)
+    result.baseline = await _probe_for(target.root, config.baseline_seconds, config.health_interval)
     log(f"abuse: {config.abusers} clients sending bad input for {config.duration:g} s")
+    # Probing lasts as long as the last abuser's last request (sent before the deadline), in a process of its
+    # own: this event loop is busy writing megabyte bodies and would delay the probes' reads.
+    prober = health_probe.ProbeProcess(target.root, config.health_interval)
+    await prober.start()
     started = time.monotonic()
     deadline = started + config.duration
-    # Probing lasts as long as the last abuser's last request: that one was sent before the deadline.
-    prober = asyncio.create_task(_probe_for(target.root, math.inf, config.health_interval, result.under_load))
     try:
         async with make_client(config.abusers) as client:
             await asyncio.gather(*(_abuser(client, target.root, requests, i * 2, deadline, config.request_timeout,
                                            result.outcomes) for i in range(config.abusers)))
     finally:
-        prober.cancel()
-        await asyncio.gather(prober, return_exceptions=True)
+        result.under_load = await prober.stop()
     result.abuse_seconds = time.monotonic() - started
     return result
 
