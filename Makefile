@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench bench-offline clean
+.PHONY: install serve test bench bench-offline llama-server clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ bench: install
 
 bench-offline: install
 	$(PY) -m bench.offline $(ARGS)
+
+# llama.cpp's llama-server (and llama-bench) for `python -m bench --compare --llama-server PATH`, built outside
+# the repository (default ../peers; LLAMA_DIR=... to choose). Never committed, not part of `make test`.
+LLAMA_DIR ?= ../peers
+llama-server: install
+	PIP="$(PY) -m pip" bench/build_llama_server.sh $(LLAMA_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -15,18 +15,20 @@ from urllib.parse import urlsplit
 import httpx
 from tqdm import tqdm
 
-from bench import report, servers
+from bench import report, servers, stress
 from bench.client import RequestOptions, RequestResult, Target, discover_model, send_request
+from bench.llama_peer import LlamaPeer, check_binary, resolve_gguf
 from bench.runner import LevelResult, LoadShape, run_level
 from bench.workload import LengthDist, TokenCounter, build_workload, load_token_counter
 
-COMPARE_SERVERS = ("sluice", "transformers", "transformers-cb")
+COMPARE_SERVERS = ("sluice", "transformers", "transformers-cb", "llama")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="Load generator for OpenAI-compatible servers.")
-    p.add_argument("--url", default=DEFAULT_URL, help="base URL of the server to measure (default %(default)s)")
+    p.add_argument("--url", help=f"base URL of the server to measure (default {DEFAULT_URL}; --soak and --abuse "
+                   "start a Sluice server of their own when none is given)")
     p.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     load = p.add_mutually_exclusive_group()
@@ -37,10 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", help="requests per level: N, or Kx for K per stream (default: 4x, at least 16; "
                    "64 for --rate; the burst size for --burst)")
     p.add_argument("--max-duration", type=float, help="stop issuing requests after this many seconds per level")
-    p.add_argument("--prompt-tokens", type=LengthDist.parse, default=LengthDist.parse("128"),
-                   help="prompt length: 128, uniform:64:192, normal:128:32 or exp:128 (default 128)")
-    p.add_argument("--output-tokens", type=LengthDist.parse, default=LengthDist.parse("128"),
-                   help="max_tokens per request, same syntax (default 128)")
+    p.add_argument("--prompt-tokens", type=LengthDist.parse,
+                   help="prompt length: 128, uniform:64:192, normal:128:32 or exp:128 "
+                   "(default 128; --soak uniform:8:256)")
+    p.add_argument("--output-tokens", type=LengthDist.parse,
+                   help="max_tokens per request, same syntax (default 128; --soak uniform:4:64)")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens of prompt prefix common to all requests")
     p.add_argument("--tokenizer", help="model folder whose tokenizer.json makes prompt lengths exact")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -59,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--peer", action="append", default=[], help="another OpenAI-compatible server: URL or NAME=URL")
     p.add_argument("--compare", action="store_true",
-                   help="start Sluice and transformers serve (with and without continuous batching) and measure all")
+                   help="start Sluice, transformers serve (with and without continuous batching) and llama-server "
+                   "and measure all")
     p.add_argument("--servers", default=",".join(COMPARE_SERVERS), help="which servers --compare starts")
     p.add_argument("--hf-model-dir", help="Hugging Face folder for transformers serve (default: Sluice's cache)")
     p.add_argument("--sluice-model", help="--model passed to the Sluice server (default: its config)")
@@ -67,7 +71,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transformers-dtype", default="bfloat16", help="--dtype for transformers serve (default %(default)s)")
     p.add_argument("--log-dir", default="bench/results/logs", help="where started servers write their logs")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary for --compare (without it the peer is skipped)")
+    p.add_argument("--llama-model", help="GGUF file for llama-server (default: the GGUF Sluice serves)")
+    p.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots for --rate levels "
+                   "(closed loop and burst levels use their stream count; default %(default)s)")
+    hostile = p.add_argument_group("soak and abuse (loopback servers only)")
+    modes = hostile.add_mutually_exclusive_group()
+    modes.add_argument("--soak", action="store_true", help="mixed streams, disconnects, never-read clients and bad "
+                       "input for --duration s; the server's RSS, fds and threads at rest at the start and the end")
+    modes.add_argument("--abuse", action="store_true", help="/health latency while bad input is sent and rejected")
+    hostile.add_argument("--duration", type=float, help="seconds of load (default 600 for --soak, 30 for --abuse)")
+    hostile.add_argument("--server-pid", type=int, help="PID of the server at --url, for its /proc figures "
+                         "(default: the process listening on its port, when readable)")
+    hostile.add_argument("--abusers", type=int, default=4, help="--abuse: clients sending bad input (default %(default)s)")
+    hostile.add_argument("--warmup-concurrency", type=int, default=32, help="--soak: streams of the KV warm-up")
+    hostile.add_argument("--warmup-prompt-tokens", type=int, default=896, help="--soak: prompt length of the warm-up")
+    hostile.add_argument("--warmup-output-tokens", type=int, default=128, help="--soak: output length of the warm-up")
+    hostile.add_argument("--block-size", type=int, default=16, help="--soak: server's tokens per KV block (sizes the warm-up)")
+    hostile.add_argument("--long-output-tokens", type=int, default=1024,
+                         help="--soak: max_tokens of clients that disconnect or never read (default %(default)s)")
+    hostile.add_argument("--never-read-seconds", type=float, default=20.0, help="--soak: how long a never-read client holds on")
+    hostile.add_argument("--checkpoints", type=int, default=3,
+                         help="--soak: rests with figures during the soak, the last at the end (default %(default)s)")
+    hostile.add_argument("--settle-seconds", type=float, default=30.0, help="--soak: longest wait at rest before a figure")
     args = p.parse_args(argv)
+    if (args.soak or args.abuse) and (args.compare or args.sweep or args.peer):
+        p.error("--soak and --abuse take one server (--url, or one they start): not --compare, --sweep or --peer")
+    if not args.soak:
+        args.prompt_tokens = args.prompt_tokens or LengthDist.parse("128")
+        args.output_tokens = args.output_tokens or LengthDist.parse("128")
     if args.compare and not set(args.servers.split(",")) <= set(COMPARE_SERVERS):
         p.error(f"--servers takes a subset of {','.join(COMPARE_SERVERS)}")
     return args
@@ -100,9 +132,18 @@ def peer_target(spec: str) -> Target:
 
 async def start_servers(
     args: argparse.Namespace, stack: ExitStack
-) -> tuple[list[Target], str | None, dict[str, servers.ManagedServer]]:
-    """Starts each server and waits for it before the next, so model loads do not fight over the cores."""
+) -> tuple[list[Target], str | None, dict[str, servers.ManagedServer], LlamaPeer | None]:
+    """Starts each server and waits for it before the next, so model loads do not fight over the cores.
+    llama-server is only set up here: it starts at each level, with that level's number of slots."""
     wanted = args.servers.split(",")
+    llama = None
+    if "llama" in wanted:
+        wanted.remove("llama")
+        binary = check_binary(args.llama_server)
+        if binary is not None:
+            llama = LlamaPeer(binary, resolve_gguf(args.llama_model, args.sluice_model), Path(args.log_dir),
+                              args.startup_timeout, args.llama_parallel)
+            stack.callback(llama.stop)
     hf_dir = servers.resolve_hf_model_dir(args.hf_model_dir)
     if hf_dir is None and any(name.startswith("transformers") for name in wanted):
         raise SystemExit("bench: transformers serve needs a Hugging Face folder: pass --hf-model-dir PATH")
@@ -117,13 +158,12 @@ async def start_servers(
         else:
             command = servers.transformers_command(port, hf_dir, name.endswith("-cb"), args.transformers_dtype)
             target = Target(name, url, hf_dir, "transformers")  # it only accepts the name it was started with
-        server = servers.start(name, command, target, Path(args.log_dir))
-        stack.callback(servers.stop, server)
-        print(f"bench: waiting for {name} ({server.log_path})", file=sys.stderr)
-        await servers.wait_ready(server, args.startup_timeout)
+        server = await servers.start_ready(name, command, target, Path(args.log_dir), stack, args.startup_timeout)
         started.append(target)
         managed[name] = server
-    return started, hf_dir, managed
+    if llama is not None:
+        started.append(llama.target)
+    return started, hf_dir, managed, llama
 
 
 async def prepare_target(target: Target, specs: list, options: RequestOptions, warmup: int) -> Target:
@@ -149,6 +189,7 @@ async def measure(
     targets: list[Target],
     counter: TokenCounter | None,
     started: dict[str, servers.ManagedServer] | None = None,
+    llama: LlamaPeer | None = None,
 ) -> tuple[list[Target], list[LevelResult]]:
     options = RequestOptions(args.endpoint, args.temperature, args.ignore_eos, args.include_usage, args.timeout)
     warm = build_workload(args.warmup, args.prompt_tokens, LengthDist("fixed", 16), args.seed + 7919, counter=counter)
@@ -156,17 +197,23 @@ async def measure(
     if os.getloadavg()[0] > cores:
         print(f"bench: load average {os.getloadavg()[0]:.1f} on {cores} cores: other work is running and will skew "
               "the figures (each level's load average is in the JSON)", file=sys.stderr)
-    targets = [await prepare_target(t, warm, options, args.warmup) for t in targets]
+    started = started if started is not None else {}
+    is_lazy = {t.name: llama is not None and t.name == llama.target.name for t in targets}
+    targets = [t if is_lazy[t.name] else await prepare_target(t, warm, options, args.warmup) for t in targets]
     levels = []
     for shape in load_shapes(args):
         specs = build_workload(num_requests(args, shape), args.prompt_tokens, args.output_tokens, args.seed,
                                args.shared_prefix, counter)
-        for target in targets:  # interleaved: every server at this level before the next level
-            servers.focus(started or {}, target.name)
+        for i, target in enumerate(targets):  # interleaved: every server at this level before the next level
+            if is_lazy[target.name]:
+                servers.focus(started, target.name)  # the others pause while it loads
+                if await llama.ensure(shape, started):
+                    targets[i] = target = await prepare_target(target, warm, options, args.warmup)
+            servers.focus(started, target.name)
             levels.append(await _run_with_progress(args, target, specs, shape, options))
             if args.json:  # after every level: an interrupted run keeps what it measured
                 report.write_json(args.json, levels, run_config(args, targets))
-    servers.focus(started or {}, None)
+    servers.focus(started, None)
     return targets, levels
 
 
@@ -212,17 +259,21 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main_task.cancel)
     with ExitStack() as stack:
+        if args.soak or args.abuse:
+            return await stress.run(args, stack)
         targets: list[Target] = []
         hf_dir = None
         started: dict[str, servers.ManagedServer] = {}
+        llama = None
         if args.compare:
-            targets, hf_dir, started = await start_servers(args, stack)
+            targets, hf_dir, started, llama = await start_servers(args, stack)
         else:
-            targets = [Target(urlsplit(args.url).netloc or args.url, args.url, args.model)]
+            url = args.url or DEFAULT_URL
+            targets = [Target(urlsplit(url).netloc or url, url, args.model)]
         targets += [peer_target(spec) for spec in args.peer]
         tokenizer_dir = args.tokenizer or hf_dir
         counter = load_token_counter(tokenizer_dir) if tokenizer_dir else None
-        targets, levels = await measure(args, targets, counter, started)
+        targets, levels = await measure(args, targets, counter, started, llama)
     if args.json:
         print(f"bench: wrote {args.json}", file=sys.stderr)
     show(args, levels)

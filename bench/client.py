@@ -14,6 +14,9 @@ from bench.sse import SSEEvent, SSEParser
 from bench.workload import RequestSpec
 
 FLAVORS = ("openai", "sluice", "transformers")
+# llama-server (cpp-httplib) closes idle keep-alive connections after 5 s; a request written into one as it
+# closes gets no response at all, and nothing was processed: such a request is sent once more.
+KEEPALIVE_RETRIES = 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class RequestResult:
     usage_reported: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    retried: bool = False  # sent again once: the server had closed the reused keep-alive connection unanswered
 
     @property
     def outcome(self) -> str:
@@ -144,6 +148,28 @@ class _StreamState:
             result.error = f"finish_reason {result.finish_reason}"
 
 
+async def _read_response(response: httpx.Response, result: RequestResult, state: _StreamState, sent: float,
+                         written: float) -> None:
+    """`written`: when the request's last byte left (the trace hook; the send call for a mock transport)."""
+    headers = time.perf_counter()
+    result.admission, result.client_queue = headers - written, written - sent
+    result.status = response.status_code
+    if response.status_code != 200:
+        text = (await response.aread()).decode("utf-8", errors="replace")
+        result.error = f"HTTP {response.status_code}: {text[:200]}"
+        result.e2e = time.perf_counter() - sent
+        return
+    parser = SSEParser()
+    async for chunk in response.aiter_bytes():
+        now = time.perf_counter()
+        for event in parser.feed(chunk):
+            state.on_event(event, now)
+    now = time.perf_counter()
+    for event in parser.close():
+        state.on_event(event, now)
+    state.finish(now)
+
+
 async def send_request(
     client: httpx.AsyncClient, target: Target, spec: RequestSpec, options: RequestOptions, level_start: float
 ) -> RequestResult:
@@ -160,25 +186,15 @@ async def send_request(
     try:
         async with asyncio.timeout(options.timeout):
             url = target.root + endpoint_path(options)
-            async with client.stream("POST", url, json=body, extensions={"trace": trace}) as response:
-                headers = time.perf_counter()
-                start = written[0] if written else sent  # no trace events from a mock transport
-                result.admission, result.client_queue = headers - start, start - sent
-                result.status = response.status_code
-                if response.status_code != 200:
-                    text = (await response.aread()).decode("utf-8", errors="replace")
-                    result.error = f"HTTP {response.status_code}: {text[:200]}"
-                    result.e2e = time.perf_counter() - sent
-                    return result
-                parser = SSEParser()
-                async for chunk in response.aiter_bytes():
-                    now = time.perf_counter()
-                    for event in parser.feed(chunk):
-                        state.on_event(event, now)
-                now = time.perf_counter()
-                for event in parser.close():
-                    state.on_event(event, now)
-                state.finish(now)
+            for attempt in range(1 + KEEPALIVE_RETRIES):
+                try:
+                    async with client.stream("POST", url, json=body, extensions={"trace": trace}) as response:
+                        await _read_response(response, result, state, sent, written[-1] if written else sent)
+                    break
+                except httpx.RemoteProtocolError:
+                    if result.status is not None or attempt == KEEPALIVE_RETRIES:
+                        raise
+                    result.retried = True  # the server closed an idle keep-alive connection as we reused it
     except TimeoutError:
         result.error = f"timed out after {options.timeout:g} s"
     except httpx.HTTPError as exc:

@@ -45,10 +45,10 @@ def table(levels: list[LevelResult], markdown: bool = False) -> str:
         row += [_num(s["total_tokens_per_s"])] + [_triple(s[key], scale) for key, _, scale in LATENCIES]
         rows.append(row)
     notes = [f"{level.target} {level.shape.label()}: {err}" for level in levels for err in level.summary()["error_samples"]]
-    return "\n".join([_format(rows, markdown)] + (["", "errors seen:"] + notes if notes else []))
+    return "\n".join([format_rows(rows, markdown)] + (["", "errors seen:"] + notes if notes else []))
 
 
-def _format(rows: list[list[str]], markdown: bool = False) -> str:
+def format_rows(rows: list[list[str]], markdown: bool = False) -> str:
     if markdown:
         lines = ["| " + " | ".join(row) + " |" for row in rows]
         lines.insert(1, "|" + "|".join(" --- " for _ in rows[0]) + "|")
@@ -74,7 +74,7 @@ def server_table(levels: list[LevelResult], markdown: bool = False) -> str:
                 "-" if c is None else "/".join(_num(None if c[k] is None else c[k] * 1e3) for k in ("p50", "p99"))
                 for c in cells
             ])
-    return "server-side, from /metrics (bucket-interpolated):\n" + _format(rows, markdown)
+    return "server-side, from /metrics (bucket-interpolated):\n" + format_rows(rows, markdown)
 
 
 def to_json(levels: list[LevelResult], config: dict[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class LevelResult:
             "completed": len(ok),
             "rejected_429": sum(r.outcome == "429" for r in self.requests),
             "errors": sum(r.outcome == "error" for r in self.requests),
+            "retried": sum(r.retried for r in self.requests),
             "duration_s": self.duration,
             "prompt_tokens": prompt,
             "completion_tokens": completion,

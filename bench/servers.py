@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,17 @@ def start(name: str, command: list[str], target: Target, log_dir: Path) -> Manag
             command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     return ManagedServer(target, process, log_path)
+
+
+async def start_ready(name: str, command: list[str], target: Target, log_dir: Path, stack: ExitStack,
+                      timeout: float = 600.0) -> ManagedServer:
+    """start() and wait_ready(), with the stop registered on `stack` first (a server that never gets ready is
+    stopped too)."""
+    server = start(name, command, target, log_dir)
+    stack.callback(stop, server)
+    print(f"bench: waiting for {name} ({server.log_path})", file=sys.stderr)
+    await wait_ready(server, timeout)
+    return server
 
 
 async def wait_ready(server: ManagedServer, timeout: float = 600.0) -> None:

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -18,13 +20,12 @@ from bench.servers import REPO_ROOT, free_port
 STARTUP_SECONDS = 180
 
 
-@pytest.fixture(scope="module")
-def sluice_url(tiny_llama_dir: Path, tmp_path_factory):
+@contextmanager
+def running_sluice(model_dir: Path, log: Path, *extra_args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Sluice server on a free loopback port (its URL and process), stopped with SIGTERM on exit."""
     port = free_port()
-    log = tmp_path_factory.mktemp("sluice") / "server.log"
-    # A small admission queue, so that the burst below may see 429s (they must be counted, not lost).
-    command = [sys.executable, "-m", "web.server", "--model", str(tiny_llama_dir), "--dtype", "float32",
-               "--host", "127.0.0.1", "--port", str(port), "--max-pending", "4"]
+    command = [sys.executable, "-m", "web.server", "--model", str(model_dir), "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                    env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -40,7 +41,7 @@ def sluice_url(tiny_llama_dir: Path, tmp_path_factory):
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        yield url
+        yield url, process
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -48,6 +49,14 @@ def sluice_url(tiny_llama_dir: Path, tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def sluice_url(tiny_llama_dir: Path, tmp_path_factory):
+    # A small admission queue, so that the burst below may see 429s (they must be counted, not lost).
+    log = tmp_path_factory.mktemp("sluice") / "server.log"
+    with running_sluice(tiny_llama_dir, log, "--max-pending", "4") as (url, _):
+        yield url
 
 
 def run_bench(args: list[str], out: Path) -> dict:

@@ -191,17 +191,14 @@ def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> Non
     def stat_state(process: subprocess.Popen) -> str:
         return Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0]
 
-    def state(process: subprocess.Popen) -> str:
-        """The state once a signal sent just now has been delivered (SIGSTOP/SIGCONT land asynchronously)."""
-        deadline = time.monotonic() + 2
-        seen = stat_state(process)
-        while time.monotonic() < deadline:
+    def stopped(expected: list[bool]) -> list[bool]:
+        """Which are stopped (T), waiting up to 10 s for `expected`: SIGSTOP/SIGCONT land when the process is scheduled."""
+        deadline = time.monotonic() + 10
+        while True:
+            seen = [stat_state(s.process) == "T" for s in started.values()]
+            if seen == expected or time.monotonic() > deadline:
+                return seen
             time.sleep(0.02)
-            now = stat_state(process)
-            if now == seen:
-                return now
-            seen = now
-        return seen
 
     started = {
         name: servers.ManagedServer(
@@ -211,11 +208,40 @@ def test_focus_pauses_every_started_server_but_the_measured_one(tmp_path) -> Non
     }
     try:
         servers.focus(started, "a")
-        assert [state(s.process) == "T" for s in started.values()] == [False, True]  # T: stopped
+        assert stopped([False, True]) == [False, True]  # T: stopped
         servers.focus(started, None)
-        assert [state(s.process) == "T" for s in started.values()] == [False, False]
+        assert stopped([False, False]) == [False, False]
         servers.focus(started, "b")
     finally:
         for server in started.values():
             servers.stop(server, grace=5)  # resumes a paused server so that SIGTERM ends it
     assert all(s.process.returncode is not None for s in started.values())
+
+
+def test_a_request_the_server_dropped_unanswered_is_sent_once_more() -> None:
+    stub = Stub()
+    calls: list[int] = []
+
+    async def drop_first_attempts(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return await stub(request)
+        calls.append(1)
+        if len(calls) % 2 == 1:  # every request is dropped the first time
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return await stub(request)
+
+    workload = specs(4, "3")
+    result = asyncio.run(run_level(TARGET, workload, LoadShape("closed", 1), RequestOptions(), None, None,
+                                   httpx.MockTransport(drop_first_attempts)))
+    assert len(calls) == 8 and all(r.retried for r in result.requests)
+    assert result.summary()["retried"] == 4 and [r.outcome for r in result.requests] == ["ok"] * 4
+
+    def always_drop(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":
+            return httpx.Response(404)
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    result = asyncio.run(run_level(TARGET, specs(2), LoadShape("closed", 1), RequestOptions(), None, None,
+                                   httpx.MockTransport(always_drop)))
+    assert [r.outcome for r in result.requests] == ["error", "error"]  # only once more, then it is an error
+    assert all(r.retried and "RemoteProtocolError" in r.error for r in result.requests)
