@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import build_tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -74,3 +76,22 @@ def test_a_character_cut_off_at_the_end_is_dropped(tokenizer):
     first_byte_of_emoji = tokenizer.encode("😀")[0]
     assert detok.step(first_byte_of_emoji) == ("", None)
     assert detok.flush() == "" and detok.text == "o"
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """The definition, spelt out: every suffix length against every stop string."""
+    return max(
+        (n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+        default=0,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="ab日😀 ", max_size=40),
+    stops=st.lists(st.text(alphabet="ab日😀 ", min_size=1, max_size=12), min_size=1, max_size=4),
+)
+def test_held_back_tail_is_the_longest_possible_stop_start(text, stops):
+    detok = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+    detok._stop = stops
+    assert detok._num_possible_stop_start(text) == _longest_stop_prefix_suffix(text, stops)
