@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,10 +30,12 @@ def start_hang_server(model_dir: Path, port: int, **env: str) -> subprocess.Pope
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def read_stream(base_url: str, body: dict[str, Any]) -> list[Any]:
+def read_stream(base_url: str, body: dict[str, Any], answered: threading.Event | None = None) -> list[Any]:
     with httpx.Client(base_url=base_url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             assert response.status_code == 200
+            if answered is not None:
+                answered.set()
             return parse_sse(response.iter_lines())[0]
 
 
@@ -104,8 +107,12 @@ def test_the_readme_hypercorn_command_drains_on_a_process_group_sigterm(tiny_lla
         assert process.poll() is None
         with ThreadPoolExecutor(2) as pool:
             slow = {**LONG, "max_tokens": 480}
-            futures = [pool.submit(read_stream, base_url, body) for body in (slow, {**SHORT, "max_tokens": 20})]
-            wait_until(lambda: health(base_url)[1].get("running", 0) >= 1, timeout=10)
+            bodies = (slow, {**SHORT, "max_tokens": 20})
+            answered = [threading.Event() for _ in bodies]
+            futures = [pool.submit(read_stream, base_url, body, seen) for body, seen in zip(bodies, answered)]
+            # both streams answered first: a request still in the socket when Hypercorn stops accepting is
+            # dropped by Hypercorn, whatever the app does
+            wait_until(lambda: all(seen.is_set() for seen in answered), timeout=10)
             os.killpg(process.pid, signal.SIGTERM)  # what systemd and container runtimes send
             results = [f.result(timeout=30) for f in futures]
         for events in results:
