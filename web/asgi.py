@@ -25,6 +25,7 @@ from anyio.abc import TaskGroup
 from engine.async_engine import AsyncEngine, EngineState
 from engine.config import SluiceConfig, load_config
 from web.app import create_app
+from web.memory import limit_arenas, trim_while_idle
 from web.server import FAILURE_FLUSH_SECONDS, GIL_SWITCH_INTERVAL, build_engine, exit_code
 
 logger = logging.getLogger("sluice.asgi")
@@ -50,6 +51,7 @@ class SluiceASGI:
             return
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._run_engine)
+            tg.start_soon(trim_while_idle, self.engine)
             self._take_over_signals(tg)
             await send({"type": "lifespan.startup.complete"})
             await receive()  # lifespan.shutdown
@@ -99,4 +101,5 @@ def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    limit_arenas()
     return SluiceASGI(load_config(config_path or os.environ.get("SLUICE_CONFIG")))

@@ -25,6 +25,7 @@ from quart import Quart
 from engine.async_engine import AsyncEngine, EngineState
 from engine.config import ServerConfig, SluiceConfig
 from web.config_flags import add_config_flags, config_from_args
+from web.memory import limit_arenas, trim_while_idle
 
 logger = logging.getLogger("sluice.server")
 
@@ -94,6 +95,7 @@ async def serve(
     async with anyio.create_task_group() as tg:
         tg.start_soon(_serve_http, app, hconfig, shutdown, tg.cancel_scope)
         tg.start_soon(_drain_on_stop, engine, config.drain_timeout, shutdown, stop)
+        tg.start_soon(trim_while_idle, engine)
         await tg.start(_run_engine, engine, shutdown)
         logger.info("engine ready; serving on %s", ", ".join(hconfig.bind))
     return exit_code(engine)
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> i
     from web.app import create_app
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    limit_arenas()
     engine = build_engine(config)
     return anyio.run(serve, engine, create_app(engine, config.server), config.server)
 
