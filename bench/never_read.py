@@ -1,8 +1,8 @@
 """What clients that never read cost a server: `python -m bench.never_read --url URL --streams 40`.
 
-Opens N streaming requests on sockets with a 4 KiB receive buffer and reads none of them for `--seconds`,
-sampling the server's RSS (from /proc, the process listening on the URL's port) every second; then the same
-number of streams read to the end, for comparison. Loopback servers only.
+First N streams read to the end (so that the high-water marks of N streams are reached), then N streaming
+requests on sockets with a 4 KiB receive buffer, none of them read for `--seconds`; the server's RSS (from
+/proc, the process listening on the URL's port) is sampled every second throughout. Loopback servers only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 from collections import Counter
 
 from bench import hostile
-from bench.client import RequestOptions, Target
+from bench.client import RequestOptions, Target, discover_model
 from bench.proc import ProcessSample, listening_pid, read_process
 from bench.runner import make_client
 from bench.workload import LengthDist, build_workload
@@ -36,7 +36,7 @@ async def _measure(pid: int, clients) -> tuple[int, int, Counter[str]]:
     finally:
         sampler.cancel()
     peak = max([s.rss_bytes for s in samples] + [before])
-    return before, peak, Counter(f"{o.kind}:{o.outcome}:{o.status}" for o in outcomes)
+    return before, peak, Counter(f"{o.kind}:{o.outcome}:{o.status}" + (f" ({o.detail})" if o.detail else "") for o in outcomes)
 
 
 async def run(url: str, num_streams: int, seconds: float, output_tokens: int, read_output_tokens: int) -> None:
@@ -44,20 +44,20 @@ async def run(url: str, num_streams: int, seconds: float, output_tokens: int, re
     pid = listening_pid(port)
     if pid is None:
         raise SystemExit(f"no readable process listens on port {port}")
-    target = Target("sluice", url)
-    options = RequestOptions("completions", 0.0, True, True, timeout=seconds + 120)
-    specs = build_workload(num_streams, LengthDist("fixed", 64), LengthDist("fixed", output_tokens), seed=0)
-
-    unread = asyncio.gather(*(hostile.never_read(host, port, target, spec, options, seconds) for spec in specs))
-    before, peak, outcomes = await _measure(pid, unread)
-    print(f"{num_streams} never-read streams for {seconds:.0f} s: RSS {before / MIB:.0f} MiB before, "
-          f"peak {peak / MIB:.0f} MiB (+{(peak - before) / MIB:.0f}); {dict(outcomes)}")
-
+    async with make_client(1) as client:
+        target = Target("sluice", url, await discover_model(client, Target("sluice", url)))
+    options = RequestOptions("completions", 0.0, True, True, timeout=seconds + 900)
     specs = build_workload(num_streams, LengthDist("fixed", 64), LengthDist("fixed", read_output_tokens), seed=0)
     async with make_client(num_streams) as client:
         read = asyncio.gather(*(hostile.stream_full(client, target, spec, options) for spec in specs))
         before, peak, outcomes = await _measure(pid, read)
     print(f"{num_streams} streams read to the end: RSS {before / MIB:.0f} MiB before, "
+          f"peak {peak / MIB:.0f} MiB (+{(peak - before) / MIB:.0f}); {dict(outcomes)}")
+
+    specs = build_workload(num_streams, LengthDist("fixed", 64), LengthDist("fixed", output_tokens), seed=0)
+    unread = asyncio.gather(*(hostile.never_read(host, port, target, spec, options, seconds) for spec in specs))
+    before, peak, outcomes = await _measure(pid, unread)
+    print(f"{num_streams} never-read streams for {seconds:.0f} s: RSS {before / MIB:.0f} MiB before, "
           f"peak {peak / MIB:.0f} MiB (+{(peak - before) / MIB:.0f}); {dict(outcomes)}")
 
 
