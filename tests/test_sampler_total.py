@@ -60,7 +60,9 @@ sampling_params = st.builds(
     logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
     logit_bias=st.one_of(
         st.none(),
-        st.dictionaries(st.integers(0, VOCAB + 5), floats_in(-100.0, 100.0) | floats_in(0.0, 100.0).map(lambda x: -x), max_size=8),
+        st.dictionaries(
+            st.integers(0, VOCAB + 5), floats_in(-100.0, 100.0) | floats_in(0.0, 100.0).map(lambda x: -x), max_size=8
+        ),
     ),
 )
 

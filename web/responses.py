@@ -102,7 +102,9 @@ class ChatResponses(_Responses):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, index: int = 0) -> dict:
+    def _delta(
+        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, index: int = 0
+    ) -> dict:
         return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     def opening_chunks(self, num_choices: int = 1) -> list[dict]:
