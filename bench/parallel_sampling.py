@@ -4,7 +4,7 @@
                                       [--output-tokens 128] [--repeats 3]
 
 Three ways to get n completions of one prompt, each exactly --output-tokens long (ignore_eos, seeded
-sampling), timed end to end (non-streaming), the median of --repeats runs in turn:
+sampling), timed end to end (non-streaming), the median of --repeats rounds (each way first in turn):
 - one request with `n`;
 - n requests one after another (what a client without `n` does);
 - n requests at once (a client with n connections).
@@ -76,8 +76,10 @@ def main() -> None:
         ways = {"one request with n": one_request, "n requests, one after another": sequential,
                 "n requests at once": concurrent}  # fmt: skip
         times: dict[str, list[float]] = {name: [] for name in ways}
-        for _ in range(args.repeats):
-            for name, way in ways.items():
+        names = list(ways)
+        for r in range(args.repeats):
+            for name in names[r % 3 :] + names[: r % 3]:  # each way first in turn: the machine's load drifts
+                way = ways[name]
                 start = time.perf_counter()
                 tokens = way(client, body, args.n)
                 times[name].append(time.perf_counter() - start)
