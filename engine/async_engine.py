@@ -271,9 +271,12 @@ class AsyncEngine:
 
     def _admit_pending(self, engine: LLMEngine) -> None:
         # Pull only while the scheduler has room, so that max_pending really bounds the waiting requests.
-        while self._pending and engine.num_waiting + engine.num_running < engine.config.max_num_seqs:
-            request_id = next(iter(self._pending))
-            stream = self._pending.pop(request_id)
+        # A request takes one admission slot, and n of max_num_seqs' places (one per choice) once pulled.
+        while self._pending:
+            request_id, stream = next(iter(self._pending.items()))
+            if engine.num_seats + stream.request.params.n > engine.config.max_num_seqs:
+                break
+            del self._pending[request_id]
             engine.add_prepared(stream.request)
             stream.admitted_time = time.perf_counter()
 
@@ -289,7 +292,7 @@ class AsyncEngine:
                 continue  # ended meanwhile (abort or drain): the engine frees it before the next step
             if not stream.push(output):
                 self.abort(output.request_id)  # the reader went away
-            elif output.finished:
+            elif stream.is_finished:
                 del self._streams[output.request_id]
                 self._note_finished()
 

@@ -27,6 +27,7 @@ class SamplingRow:
     prompt_token_ids: list[int]  # read only; used by repetition_penalty
     output_token_ids: list[int]  # read only; used by the penalties
     banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while fewer than min_tokens were generated
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (read only)
 
     @property
     def is_greedy(self) -> bool:

@@ -90,6 +90,18 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
+    def share(self, source: Sequence, target: Sequence) -> None:
+        """Give target (without blocks) source's blocks by reference, with the KV progress they hold. Only full
+        blocks may be shared: a sequence writes its next tokens into the slots after its last computed one."""
+        assert not target.block_table, target
+        assert source.num_computed_tokens == len(source.block_table) * self.block_size, source
+        for block_id in source.block_table:
+            self._take(self.blocks[block_id])
+        target.block_table = list(source.block_table)
+        target.block_hashes = source.block_hashes[: len(source.block_table)]
+        target.num_computed_tokens = source.num_computed_tokens
+        target.num_registered_blocks = source.num_registered_blocks
+
     def record_prefix_query(self, num_tokens: int, num_hits: int) -> None:
         self.num_prefix_queries += num_tokens
         self.num_prefix_hits += num_hits

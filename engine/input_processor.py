@@ -31,10 +31,13 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int, max_num_seqs: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs  # n choices run at once: a request's n must fit in one batch
         # Every token covers at most this many characters of text (its raw form is at least as long as the
         # text it encodes), so a longer prompt has more than max_model_len tokens.
         longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -145,6 +148,13 @@ class InputProcessor:
                 raise InvalidRequest(
                     f"stop token id {token_id} is outside the vocabulary [0, {self.vocab_size})", "stop_token_ids"
                 )
+        for token_id in params.logit_bias or ():
+            if token_id >= self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias token id {token_id} is outside the vocabulary [0, {self.vocab_size})", "logit_bias"
+                )
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise InvalidRequest(f"n ({params.n}) is more than max_num_seqs ({self.max_num_seqs})", "n")
         return max_tokens
 
 

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.config import engine_config
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import ChoiceOutput, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -35,7 +35,8 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
-        """Generate for each prompt (a string or a list of token ids); results in the order given."""
+        """Generate for each prompt (a string or a list of token ids); results in the order given, each with
+        its SamplingParams.n choices in `outputs`."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self.engine.input_processor.encode_prompt(p) for p in prompts]
@@ -53,18 +54,22 @@ class LLM:
         return self._run(token_lists, params, use_tqdm)
 
     def stream(self, prompt: Prompt | list[Message], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """One request's deltas as the engine makes them; the prompt is text, token ids, or a conversation
-        (through the chat template). Closing the iterator early aborts the request."""
+        """One request's deltas as the engine makes them (with n > 1, each carries its choice's index); the
+        prompt is text, token ids, or a conversation (through the chat template). Closing the iterator early
+        aborts the request."""
         is_conversation = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         processor = self.engine.input_processor
         encode = processor.encode_chat if is_conversation else processor.encode_prompt
         request_id = f"offline-{next(self._request_ids)}"
-        self.engine.add_request(request_id, encode(prompt), params or SamplingParams())  # type: ignore[arg-type]
+        params = params or SamplingParams()
+        self.engine.add_request(request_id, encode(prompt), params)  # type: ignore[arg-type]
+        num_open = params.n
         try:
             while True:
                 for delta in self.engine.step():
                     yield delta
-                    if delta.finished:
+                    num_open -= delta.finished
+                    if not num_open:
                         return
         finally:
             self.engine.abort(request_id)
@@ -82,13 +87,15 @@ class LLM:
             for token_ids, p in zip(token_lists, params_list):
                 request_id = f"offline-{next(self._request_ids)}"
                 self.engine.add_request(request_id, token_ids, p)
-                results[request_id] = CompletionOutput(request_id, token_ids)
+                choices = [ChoiceOutput(i) for i in range(p.n)]
+                results[request_id] = CompletionOutput(request_id, token_ids, choices)
             with tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 num_pending = len(results)
                 while num_pending:
                     for delta in self.engine.step():
-                        results[delta.request_id].absorb(delta)
-                        if delta.finished:
+                        result = results[delta.request_id]
+                        result.absorb(delta)
+                        if delta.finished and result.is_finished:
                             num_pending -= 1
                             bar.update(1)
         finally:

@@ -16,6 +16,7 @@ from engine.batch import PromptScoring, SampledToken, SamplingRow, SeqChunk, Ste
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.fork import choice_params, fork_point
 from engine.input_processor import InputProcessor, Prompt, PreparedRequest
 from engine.models.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
@@ -49,13 +50,13 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         kv_capacity = config.num_kv_blocks * config.block_size
         self.max_model_len = min(config.max_model_len, loaded.max_position_embeddings, kv_capacity)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs)
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
         self.runner.warmup()
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its live sequences (choices, or a fork parent)
         self._seq_ids = itertools.count()
         self._plan: StepPlan | None = None  # the step whose forward pass is running
 
@@ -67,32 +68,32 @@ class LLMEngine:
     def add_prepared(self, request: PreparedRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        params = request.params
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer.backend_tokenizer,
-            request.prompt_token_ids,
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
-        seq = Sequence(next(self._seq_ids), request, detokenizer)
-        self.requests[request.request_id] = seq
-        self.scheduler.add(seq)
+        n = request.params.n
+        num_shared = fork_point(len(request.prompt_token_ids), self.config.block_size) if n > 1 else 0
+        if num_shared:
+            prefix = request.prompt_token_ids[:num_shared]
+            seqs = [Sequence(next(self._seq_ids), request, None, num_forks=n, prompt_token_ids=prefix)]
+        else:
+            seqs = self._choices(request)
+        self.requests[request.request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request now and free its blocks. Idempotent: its final delta if it was live, else None.
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End a request now and free its blocks. Idempotent: the final delta of each choice still live ([] if
+        the request is not live).
 
         Only between steps: the forward pass reads the blocks of the step's requests."""
         if self._plan is not None:
             raise RuntimeError("abort() during a forward pass: apply aborts between steps")
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return None
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        return self.output_processor.final(seq, FinishReason.ABORT)
+        outputs = []
+        for seq in self.requests.pop(request_id, []):
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            outputs += self.output_processor.final(seq, FinishReason.ABORT)
+        return outputs
 
     def abort_all(self) -> list[RequestOutput]:
-        return [out for rid in list(self.requests) if (out := self.abort(rid)) is not None]
+        return [out for request_id in list(self.requests) for out in self.abort(request_id)]
 
     # ---- stepping -------------------------------------------------------------------------------------
     @property
@@ -130,6 +131,9 @@ class LLMEngine:
         """Apply a forward pass's tokens: one delta per sampling sequence; finished ones are freed."""
         self._plan = None
         self.scheduler.on_computed(plan.chunks)
+        for scheduled in plan.chunks:
+            if scheduled.seq.num_forks and not scheduled.seq.num_uncomputed_tokens:
+                self._fork(scheduled.seq)
         for scheduled, chunk in zip(plan.chunks, plan.batch.chunks):
             scored = output.prompt_logprobs.get(chunk.seq_id)
             if scored is not None:
@@ -144,7 +148,7 @@ class LLMEngine:
                 out = self.output_processor.on_token(seq, token)
             except Exception:  # one request's output failing fails that request alone
                 logger.exception("producing the output of request %s failed", seq.request_id)
-                out = self.output_processor.final(seq, FinishReason.ERROR, OUTPUT_FAILED)
+                (out,) = self.output_processor.final(seq, FinishReason.ERROR, OUTPUT_FAILED)
             if out.finish_reason is not None:
                 self._finish(seq, out.finish_reason)
             outputs.append(out)
@@ -159,10 +163,33 @@ class LLMEngine:
         for chunk in plan.chunks:
             seq = chunk.seq
             self._finish(seq, FinishReason.ERROR)
-            outputs.append(self.output_processor.final(seq, FinishReason.ERROR, FORWARD_FAILED))
+            outputs += self.output_processor.final(seq, FinishReason.ERROR, FORWARD_FAILED)
         return outputs
 
     # ---- internals ------------------------------------------------------------------------------------
+    def _choices(self, request: PreparedRequest) -> list[Sequence]:
+        """The request's n choices, each with its own detokenizer (stop strings) and seed."""
+        params = request.params
+        return [
+            Sequence(next(self._seq_ids), request, self._detokenizer(request), i, choice_params(params, i))
+            for i in range(params.n)
+        ]
+
+    def _detokenizer(self, request: PreparedRequest) -> IncrementalDetokenizer:
+        params = request.params
+        return IncrementalDetokenizer(
+            self.tokenizer.backend_tokenizer,
+            request.prompt_token_ids,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+
+    def _fork(self, parent: Sequence) -> None:
+        children = self._choices(parent.request)
+        self.scheduler.fork(parent, children)
+        self.requests[parent.request_id] = children
+
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         seq = chunk.seq
         start = seq.num_computed_tokens
@@ -194,11 +221,15 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             banned_token_ids=banned,
+            logit_bias=p.logit_bias,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
-        del self.requests[seq.request_id]
+        live = self.requests[seq.request_id]
+        live.remove(seq)
+        if not live:
+            del self.requests[seq.request_id]
 
     # ---- introspection --------------------------------------------------------------------------------
     @property
@@ -208,6 +239,11 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+    @property
+    def num_seats(self) -> int:
+        """Places of max_num_seqs taken by the scheduler's sequences, waiting or running (n per request)."""
+        return sum(seq.num_seats for seq in self.scheduler.waiting) + sum(s.num_seats for s in self.scheduler.running)
 
     @property
     def num_free_blocks(self) -> int:

@@ -44,11 +44,15 @@ class OutputProcessor:
             out.finished, out.finish_reason, out.stop_reason = True, reason, seq.stop_reason
         return out
 
-    def final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
-        """The last delta of a request ended from outside its tokens (abort, error)."""
-        out = self._output(seq, [], "")
-        out.finished, out.finish_reason, out.error = True, reason, error
-        return out
+    def final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
+        """The last delta of each choice seq stands for (a fork parent: all n), ended from outside its tokens
+        (abort, error)."""
+        outs = []
+        for index in range(seq.num_forks) if seq.num_forks else [seq.index]:
+            out = self._output(seq, [], "")
+            out.index, out.finished, out.finish_reason, out.error = index, True, reason, error
+            outs.append(out)
+        return outs
 
     @staticmethod
     def _output(seq: Sequence, token_ids: list[int], text: str) -> RequestOutput:
@@ -56,7 +60,8 @@ class OutputProcessor:
             request_id=seq.request_id,
             new_token_ids=token_ids,
             text_delta=text,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=len(seq.request.prompt_token_ids),  # a fork parent computes a part of it
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            index=seq.index,
         )

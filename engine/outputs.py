@@ -22,7 +22,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class RequestOutput:
-    """One request's progress in one step. Every request gets exactly one delta with finished=True."""
+    """One choice's progress in one step. Every choice (index 0 .. n-1) of a request gets exactly one delta with
+    finished=True; the request has finished when all n have."""
 
     request_id: str
     new_token_ids: list[int]
@@ -37,9 +38,10 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error"
     # With the first token, when the request asked for them: one per prompt token (None for the first).
     prompt_logprobs: list[SampledToken | None] | None = None
+    index: int = 0  # the choice, among the request's n (SamplingParams.n)
 
     def absorb(self, later: RequestOutput) -> None:
-        """Coalesce a later delta of the same request into this one, as if both had come in one step."""
+        """Coalesce a later delta of the same choice into this one, as if both had come in one step."""
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
         self.new_token_ids.extend(later.new_token_ids)
@@ -53,22 +55,17 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
-class CompletionOutput:
-    """The whole result of one request, as LLM.generate / LLM.chat return it."""
+class ChoiceOutput:
+    """One of the n choices of a request, whole."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    num_cached_tokens: int = 0
     logprobs: list[SampledToken] | None = None
-    prompt_logprobs: list[SampledToken | None] | None = None
 
     def absorb(self, delta: RequestOutput) -> None:
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text_delta
         self.token_ids.extend(delta.new_token_ids)
         if delta.logprobs is not None:
@@ -76,4 +73,46 @@ class CompletionOutput:
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The whole result of one request, as LLM.generate / LLM.chat return it: its n choices in `outputs`;
+    text, token_ids, finish_reason, stop_reason and logprobs are those of the first choice."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[ChoiceOutput] = field(default_factory=lambda: [ChoiceOutput(0)])
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[SampledToken | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[SampledToken] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def is_finished(self) -> bool:
+        return all(choice.finish_reason is not None for choice in self.outputs)
+
+    def absorb(self, delta: RequestOutput) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.outputs[delta.index].absorb(delta)
+        if delta.finished:
             self.num_cached_tokens = delta.num_cached_tokens

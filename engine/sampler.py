@@ -1,4 +1,4 @@
-"""Logits -> token ids: penalties, bans, temperature, top-k / top-p / min-p, seeded sampling and logprobs.
+"""Logits -> token ids: penalties, logit bias, bans, temperature, top-k / top-p / min-p, seeded sampling and logprobs.
 
 Runs in the model runner's worker thread once per step, so the work is vectorised over rows; Python loops run
 over rows only where a row needs its own data (token lists, seeded generators, a filter check on one token).
@@ -101,6 +101,20 @@ def apply_penalties_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     values = torch.where(values > 0, values / rep, values * rep)  # rep == 1 leaves a value exactly as it was
     values = values - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0)
     flat.index_copy_(0, unique, values)
+
+
+def apply_logit_bias_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place on contiguous [N, V] logits: each row's logit_bias added to its tokens (ids inside V). Rows
+    without biases cost nothing; the rest are one index_add_ over the biased entries."""
+    biased = [(i, r.logit_bias) for i, r in enumerate(rows) if r.logit_bias]
+    if not biased:
+        return
+    vocab = logits.shape[1]
+    keys = [i * vocab + token for i, bias in biased for token in bias if token < vocab]
+    values = [value for _, bias in biased for token, value in bias.items() if token < vocab]
+    if keys:
+        flat = logits.view(-1)
+        flat.index_add_(0, torch.tensor(keys, dtype=torch.long), torch.tensor(values, dtype=logits.dtype))
 
 
 def apply_bans_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -218,7 +232,7 @@ class Sampler:
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
             logits = logits.float().contiguous()
 
-        modified = any(r.has_penalties or r.banned_token_ids for r in rows)
+        modified = any(r.has_penalties or r.banned_token_ids or r.logit_bias for r in rows)
         want_logprobs = any(r.num_logprobs is not None for r in rows)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r)]
         if len(greedy) == len(rows) and not modified and not want_logprobs:
@@ -228,6 +242,7 @@ class Sampler:
         if modified:
             work = logits.clone(memory_format=torch.contiguous_format)  # raw logits stay for the logprobs
             apply_penalties_(work, rows)
+            apply_logit_bias_(work, rows)
             apply_bans_(work, rows)
 
         if len(greedy) == len(rows):

@@ -17,6 +17,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# OpenAI's bounds: a bias in [-100, 100] per token (-100 bans, 100 forces in practice), at most 300 tokens.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+# Choices per request (OpenAI's bound); the input processor also holds n to max_num_seqs.
+MAX_N = 128
 
 
 def _is_int(value: object) -> bool:
@@ -53,6 +58,10 @@ class SamplingParams:
     # the prefix cache: every prompt position must be computed to be scored.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit before sampling. JSON's string keys ("50256") are accepted and
+    # become ints; ids are checked against the vocabulary by the input processor.
+    logit_bias: dict[int, float] | None = None
+    n: int = 1  # independent completions of one prompt, sharing its prefill (seed + i for choice i)
 
     def __post_init__(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens
@@ -79,6 +88,28 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                      f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")  # fmt: skip
+        self._check_logit_bias()
+        _require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _require(self.n == 1 or self.prompt_logprobs is None, "n",
+                 "prompt logprobs (echo with logprobs) are supported with n=1 only")  # fmt: skip
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not bias:
+            self.logit_bias = None
+            return
+        _require(isinstance(bias, dict), "logit_bias", "logit_bias must map token ids to numbers")
+        _require(len(bias) <= MAX_LOGIT_BIAS_TOKENS, "logit_bias",
+                 f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")  # fmt: skip
+        checked: dict[int, float] = {}
+        for key, value in bias.items():
+            token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+            _require(_is_int(token_id) and token_id >= 0, "logit_bias",
+                     f"logit_bias keys must be token ids (non-negative integers), got {key!r}")  # fmt: skip
+            _require(_is_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS, "logit_bias",
+                     f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key!r}")  # fmt: skip
+            checked[token_id] = float(value)
+        self.logit_bias = checked
 
     def _check_stops(self) -> None:
         if self.stop is None:

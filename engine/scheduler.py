@@ -2,9 +2,10 @@
 
 Each step serves the running sequences first (in arrival order: a decode costs one token, an unfinished
 prefill continues with the next chunk), then admits waiting ones in FCFS order while the budget, max_num_seqs
-and free blocks allow. When a running sequence needs a block and none is free, the most recently admitted
-running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed (through the prefix cache, mostly) later. The scheduler never touches tensors.
+(a fork parent takes the seats of its n choices) and free blocks allow. When a running sequence needs a block
+and none is free, the most recently admitted running sequence is preempted: its blocks are freed (a block
+shared with other choices stays theirs) and it goes back to the front of the queue, to be recomputed (through
+the prefix cache, mostly) later. The scheduler never touches tensors.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class ScheduledChunk:
 
     @property
     def is_sampling(self) -> bool:
-        """The chunk reaches the last token, so the step yields the sequence's next token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        """The chunk reaches the last token, so the step yields the sequence's next token (a fork parent's never)."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens and not self.seq.num_forks
 
 
 class Scheduler:
@@ -65,11 +66,13 @@ class Scheduler:
                 i += 1
         if has_preempted:
             return scheduled  # no admissions while memory is short: they would be preempted next
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        num_seats = sum(seq.num_seats for seq in self.running)
+        while self.waiting and budget > 0 and num_seats + self.waiting[0].num_seats <= self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq, budget):
                 break
             self.waiting.popleft()
+            num_seats += seq.num_seats
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
@@ -103,6 +106,20 @@ class Scheduler:
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_full_blocks(chunk.seq)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """A fork parent has computed its prefix: its children take its blocks by reference count and its
+        place in the running batch (the seats it held), and the parent ends."""
+        assert parent.status is SequenceStatus.RUNNING and not parent.num_uncomputed_tokens, parent
+        for child in children:
+            self.block_manager.share(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.is_first_admission = False
+            child.num_cached_tokens = parent.num_cached_tokens
+        i = self.running.index(parent)
+        self.running[i : i + 1] = children
+        self.block_manager.free(parent)
+        parent.status = SequenceStatus.FINISHED
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence wherever it is (waiting, prefilling, decoding) and free its blocks. Idempotent."""

@@ -9,6 +9,7 @@ from engine.batch import SampledToken
 from engine.detokenizer import IncrementalDetokenizer
 from engine.input_processor import PreparedRequest
 from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -18,14 +19,29 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """One request. Tokens [0, num_computed_tokens) have their KV in the blocks of block_table."""
+    """One choice of a request (or a fork parent: see num_forks). Tokens [0, num_computed_tokens) have their
+    KV in the blocks of block_table."""
 
-    def __init__(self, seq_id: int, request: PreparedRequest, detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        request: PreparedRequest,
+        detokenizer: IncrementalDetokenizer | None,
+        index: int = 0,
+        params: SamplingParams | None = None,
+        num_forks: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         self.seq_id = seq_id
+        self.request = request
         self.request_id = request.request_id
-        self.prompt_token_ids = request.prompt_token_ids
+        self.index = index  # the choice this sequence produces, among the request's n
+        # > 0: a fork parent, which only computes the prompt's leading full blocks (its prompt_token_ids),
+        # samples nothing, and then forks into num_forks choices sharing those blocks by reference count.
+        self.num_forks = num_forks
+        self.prompt_token_ids = request.prompt_token_ids if prompt_token_ids is None else prompt_token_ids
         self.output_token_ids: list[int] = []
-        self.params = params = request.params
+        self.params = params = params or request.params
         self.max_tokens = request.max_tokens  # params.max_tokens, or what the context leaves when that is None
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.detokenizer = detokenizer
@@ -58,6 +74,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_seats(self) -> int:
+        """Places in the running batch (max_num_seqs) this sequence stands for: a fork parent takes its choices'."""
+        return self.num_forks or 1
 
     @property
     def is_finished(self) -> bool:

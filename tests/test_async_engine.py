@@ -330,3 +330,38 @@ async def test_loop_crash_ends_every_stream_with_an_error(make_engine) -> None:
         assert len(outputs) == 1 and outputs[0].finish_reason == "error" and "bookkeeping" not in outputs[0].error
     with pytest.raises(EngineUnavailable):
         async_engine.submit(prepared(engine, "late", "Hello", max_tokens=3))
+
+
+async def test_n_choices_unread_merge_per_choice_and_a_drain_ends_each_one(make_engine) -> None:
+    engine = make_engine(block_size=4)
+    slow_steps(engine, 0.01)
+    prompt = list(range(10, 40))
+    async with running(engine) as async_engine:
+        short = async_engine.submit(prepared(engine, "short", prompt, max_tokens=5, n=3, seed=1, **GREEDY))
+        long = async_engine.submit(prepared(engine, "long", prompt, max_tokens=450, n=3, seed=1, **GREEDY))
+        with anyio.fail_after(30):
+            while not short.is_finished:
+                await anyio.sleep(0.01)
+        outputs = await collect(short)  # read only now: one merged delta per choice, each finished
+        assert sorted(o.index for o in outputs) == [0, 1, 2]
+        assert all(o.finished and o.finish_reason == "length" and len(o.new_token_ids) == 5 for o in outputs)
+        await async_engine.drain(timeout=0.2)
+        finals = [o for o in await collect(long) if o.finished]
+        assert sorted(o.index for o in finals) == [0, 1, 2] and all(o.finish_reason == "abort" for o in finals)
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+async def test_a_request_is_admitted_when_its_n_choices_fit_in_max_num_seqs(make_engine) -> None:
+    engine = make_engine(max_num_seqs=4)
+    slow_steps(engine, 0.01)
+    async with running(engine) as async_engine:
+        first = async_engine.submit(prepared(engine, "first", "Hello world", max_tokens=20, n=3, **GREEDY))
+        second = async_engine.submit(prepared(engine, "second", "Hello world", max_tokens=3, n=2, **GREEDY))
+        with anyio.fail_after(10):
+            while first.admitted_time is None:
+                await anyio.sleep(0.005)
+        assert second.admitted_time is None and async_engine.stats().pending == 1  # 3 + 2 > 4: it waits
+        for stream in (first, second):
+            assert sum(o.finished for o in await collect(stream)) == stream.num_choices
+        assert second.admitted_time is not None
+    assert engine.num_free_blocks == engine.num_total_blocks

@@ -59,11 +59,11 @@ def test_abort_waiting_prefilling_and_decoding_frees_blocks(llm):
     engine.step()
     engine.step()
     engine.add_request("waiting", "The quick brown fox", params)
-    out = engine.abort("waiting")
+    (out,) = engine.abort("waiting")
     assert out.finished and out.finish_reason == "abort"
-    assert engine.abort("waiting") is None  # idempotent
-    out = engine.abort("decoding")
-    assert out.finish_reason == "abort" and engine.abort("decoding") is None
+    assert engine.abort("waiting") == []  # idempotent
+    (out,) = engine.abort("decoding")
+    assert out.finish_reason == "abort" and engine.abort("decoding") == []
     assert engine.step() == []
     assert_pool_full(llm)
 
@@ -76,7 +76,7 @@ def test_abort_is_refused_during_a_forward_pass(llm):
     with pytest.raises(RuntimeError, match="between steps"):
         engine.abort("x")
     engine.finish_step(plan, engine.execute(plan))
-    assert engine.abort("x").finish_reason == "abort"
+    assert engine.abort("x")[0].finish_reason == "abort"
 
 
 def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm, caplog):
@@ -95,7 +95,7 @@ def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
     engine = llm.engine
     engine.add_request("bad", "Hello world", SamplingParams(max_tokens=6, ignore_eos=True))
     engine.add_request("good", "The quick brown fox", SamplingParams(max_tokens=6, ignore_eos=True))
-    bad_seq = engine.requests["bad"]
+    (bad_seq,) = engine.requests["bad"]
 
     def explode(token_id, can_stop=True):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")

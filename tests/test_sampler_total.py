@@ -58,6 +58,12 @@ sampling_params = st.builds(
     repetition_penalty=floats_in(0.0, 1e300, exclude_low=True),
     seed=st.one_of(st.none(), st.integers(-(2**63), 2**64), st.sampled_from([0, -1, 2**200])),
     logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
+    logit_bias=st.one_of(
+        st.none(),
+        st.dictionaries(
+            st.integers(0, VOCAB + 5), floats_in(-100.0, 100.0) | floats_in(0.0, 100.0).map(lambda x: -x), max_size=8
+        ),
+    ),
 )
 
 logit_rows = st.one_of(
@@ -104,6 +110,7 @@ def row_for(params: SamplingParams, output_token_ids: list[int], banned: tuple[i
         prompt_token_ids=[1, 2, 3, 250, 299],
         output_token_ids=output_token_ids,
         banned_token_ids=banned,
+        logit_bias=params.logit_bias,
     )
 
 
@@ -164,3 +171,45 @@ def test_non_finite_values_are_refused_naming_the_parameter(name, value) -> None
         assert error.param == name
     else:
         raise AssertionError(f"{name}={value} was accepted")
+
+
+@TOTAL
+@given(
+    kind=st.sampled_from(["normal", "spiky", "all_equal", "with_neg_inf"]),
+    forced=st.integers(0, VOCAB - 1),
+    other_biases=st.dictionaries(st.integers(0, VOCAB - 1), floats_in(-100.0, 0.0), max_size=8),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_logit_bias_forces_and_bans_on_greedy_rows(kind, forced, other_biases, dtype, seed) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    logits = make_logits(kind, generator).unsqueeze(0).to(dtype)
+    finite = logits.float().isfinite()[0]
+    best = int(logits.float().argmax())
+    # +100 on one finite token makes it the argmax of logits spread by less than 100 (randn * 4; spiky's 1e4 aside).
+    if finite[forced] and kind != "spiky":
+        bias = {**other_biases, forced: 100.0}
+        token = Sampler(vocab_size=VOCAB)(logits, [row_for(SamplingParams(temperature=0, logit_bias=bias), [], ())])
+        assert token[0].token_id == forced
+    # -100 on the argmax, and nothing else: any token but it wins (all_equal: every other token ties above it).
+    if kind != "spiky":
+        banned = SamplingParams(temperature=0, logit_bias={best: -100.0})
+        assert Sampler(vocab_size=VOCAB)(logits, [row_for(banned, [], ())])[0].token_id != best
+
+
+@given(
+    bias=st.sampled_from([{1: float("inf")}, {1: float("nan")}, {1: 100.5}, {1: True}, {-1: 1.0}, {"1.5": 1.0},
+                          {1: "5"}, {i: 1.0 for i in range(301)}, [1, 2]]),
+)  # fmt: skip
+def test_bad_logit_bias_is_refused_naming_it(bias) -> None:
+    try:
+        SamplingParams(logit_bias=bias)
+    except InvalidRequest as error:
+        assert error.param == "logit_bias"
+    else:
+        raise AssertionError(f"logit_bias={bias!r} was accepted")
+
+
+def test_logit_bias_keys_may_be_json_strings() -> None:
+    assert SamplingParams(logit_bias={"50": -100, 7: 2.5}).logit_bias == {50: -100.0, 7: 2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None

@@ -61,6 +61,7 @@ class RequestTimer:
         self._metrics = metrics
         self._stream = stream
         self._last_token_time: float | None = None
+        self._num_open = stream.num_choices  # the request ends with its last choice
         self.ended = False
 
     def observe(self, output: RequestOutput) -> None:
@@ -74,7 +75,9 @@ class RequestTimer:
                 self._metrics.itl.observe(now - self._last_token_time)
             self._last_token_time = now
         if output.finished:
-            self.end(output.finish_reason or FinishReason.ABORT)
+            self._num_open -= 1
+            if not self._num_open or output.finish_reason is FinishReason.ERROR:
+                self.end(output.finish_reason or FinishReason.ABORT)
 
     def end(self, finish_reason: FinishReason) -> None:
         if self.ended:

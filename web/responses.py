@@ -85,8 +85,16 @@ class _Responses:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": usage.as_dict()}
 
-    def _response(self, choice: dict[str, Any], usage: Usage) -> dict[str, Any]:
-        return {**self._envelope(self.response_object, [choice]), "usage": usage.as_dict()}
+    def _response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
+
+
+def request_usage(choices: list[Completion]) -> Usage:
+    """One request's usage: its prompt counted once (the n choices share it), the choices' tokens summed."""
+    usage = Usage(choices[0].usage.prompt_tokens)
+    usage.completion_tokens = sum(c.usage.completion_tokens for c in choices)
+    usage.cached_tokens = max(c.usage.cached_tokens for c in choices)
+    return usage
 
 
 class ChatResponses(_Responses):
@@ -94,26 +102,31 @@ class ChatResponses(_Responses):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict:
-        return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+    def _delta(
+        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, index: int = 0
+    ) -> dict:
+        return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
-    def opening_chunks(self) -> list[dict]:
-        return [self._delta({"role": "assistant", "content": ""})]
+    def opening_chunks(self, num_choices: int = 1) -> list[dict]:
+        return [self._delta({"role": "assistant", "content": ""}, index=i) for i in range(num_choices)]
 
     def delta_chunk(self, output: RequestOutput) -> dict | None:
         logprobs = chat_logprobs(output.logprobs, self.token_text) if self.wants_logprobs and output.logprobs else None
         if not output.text_delta and logprobs is None:
             return None
-        return self._delta({"content": output.text_delta}, logprobs=logprobs)
+        return self._delta({"content": output.text_delta}, logprobs=logprobs, index=output.index)
 
-    def finish_chunk(self, finish_reason: str) -> dict:
-        return self._delta({}, finish_reason)
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
+        return self._delta({}, finish_reason, index=index)
 
-    def full_response(self, result: Completion) -> dict:
+    def full_response(self, results: list[Completion]) -> dict:
+        """results: the request's choices, in index order."""
+        return self._response([self._choice(i, r) for i, r in enumerate(results)], request_usage(results))
+
+    def _choice(self, index: int, result: Completion) -> dict[str, Any]:
         logprobs = chat_logprobs(result.logprobs, self.token_text) if self.wants_logprobs else None
         message = {"role": "assistant", "content": result.text}
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        return self._response(choice, result.usage)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
 
 
 class CompletionResponses(_Responses):
@@ -123,35 +136,42 @@ class CompletionResponses(_Responses):
 
     def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
         super().__init__(model, token_text, wants_logprobs, include_usage)
-        self._offsets = TextOffsets()
+        self._offsets: dict[int, TextOffsets] = {}  # per choice index
 
-    def _text(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict:
-        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+    def _text(self, text: str, finish_reason: str | None = None, logprobs: Any = None, index: int = 0) -> dict:
+        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
-    def _logprobs(self, tokens: list[SampledToken]) -> dict[str, Any]:
-        return completion_logprobs(tokens, self.token_text, self._offsets)
-
-    def opening_chunks(self) -> list[dict]:
+    def opening_chunks(self, num_choices: int = 1) -> list[dict]:
         return []
 
     def delta_chunk(self, output: RequestOutput) -> dict | None:
-        logprobs = self._logprobs(output.logprobs) if self.wants_logprobs and output.logprobs else None
+        logprobs = None
+        if self.wants_logprobs and output.logprobs:
+            offsets = self._offsets.setdefault(output.index, TextOffsets())
+            logprobs = completion_logprobs(output.logprobs, self.token_text, offsets)
         if not output.text_delta and logprobs is None:
             return None
-        return self._text(output.text_delta, logprobs=logprobs)
+        return self._text(output.text_delta, logprobs=logprobs, index=output.index)
 
-    def finish_chunk(self, finish_reason: str) -> dict:
-        return self._text("", finish_reason)
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
+        return self._text("", finish_reason, index=index)
 
-    def full_response(self, result: Completion) -> dict:
-        return self.batch_response([result])
+    def full_response(self, results: list[Completion]) -> dict:
+        """results: the request's choices, in index order."""
+        return self.batch_response([results])
 
-    def batch_response(self, results: list[Completion], echoes: list[EchoedPrompt] | None = None) -> dict:
-        """One choice per prompt, in order; with echoes, each text (and its logprobs) starts with its prompt."""
-        choices = [self._choice(i, r, echoes[i] if echoes else None) for i, r in enumerate(results)]
-        usage = Usage(sum(r.usage.prompt_tokens for r in results))
-        usage.completion_tokens = sum(r.usage.completion_tokens for r in results)
-        usage.cached_tokens = sum(r.usage.cached_tokens for r in results)
+    def batch_response(self, results: list[list[Completion]], echoes: list[EchoedPrompt] | None = None) -> dict:
+        """The n choices of each prompt, prompt by prompt (choice index = prompt * n + i, as OpenAI numbers
+        them); with echoes, each text (and its logprobs) starts with its prompt."""
+        choices = [
+            self._choice(p * len(group) + i, r, echoes[p] if echoes else None)
+            for p, group in enumerate(results)
+            for i, r in enumerate(group)
+        ]
+        usages = [request_usage(group) for group in results]
+        usage = Usage(sum(u.prompt_tokens for u in usages))
+        usage.completion_tokens = sum(u.completion_tokens for u in usages)
+        usage.cached_tokens = sum(u.cached_tokens for u in usages)
         return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
 
     def _choice(self, index: int, result: Completion, echo: EchoedPrompt | None) -> dict[str, Any]:

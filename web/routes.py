@@ -126,15 +126,16 @@ async def generate(s: Services, entry: float, fmt: ResponseFormat, prepared: Pre
     timer = RequestTimer(s.metrics, stream)
     if streaming:
         return sse_response(stream, fmt, timer, s.engine.abort)
-    result = await collect(s, stream, timer)
-    check_finished(result)
-    return json_response(fmt.full_response(result))
+    results = await collect(s, stream, timer)
+    check_finished(results)
+    return json_response(fmt.full_response(results))
 
 
-async def generate_batch(s: Services, entry: float, batch: list[PreparedRequest]) -> list[Completion]:
-    """Every prompt of one request runs at once; a failed one fails the request (after the rest ended)."""
+async def generate_batch(s: Services, entry: float, batch: list[PreparedRequest]) -> list[list[Completion]]:
+    """Every prompt of one request runs at once; a failed one fails the request (after the rest ended).
+    Each prompt's n choices, prompt by prompt."""
     streams = submit(s, entry, batch)
-    results: list[Completion] = [Completion(Usage(prompt_tokens=r.num_prompt_tokens)) for r in streams]
+    results: list[list[Completion]] = [[] for _ in streams]
 
     async def collect_into(i: int) -> None:
         results[i] = await collect(s, streams[i], RequestTimer(s.metrics, streams[i]))
@@ -146,8 +147,8 @@ async def generate_batch(s: Services, entry: float, batch: list[PreparedRequest]
     finally:
         for stream in streams:  # the handler was cancelled before every task started: abort the rest
             s.engine.abort(stream.request_id)
-    for result in results:
-        check_finished(result)
+    for choices in results:
+        check_finished(choices)
     return results
 
 
@@ -168,20 +169,22 @@ def submit(s: Services, entry: float, batch: list[PreparedRequest]) -> list[Requ
     return streams
 
 
-async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> Completion:
-    result = Completion(Usage(prompt_tokens=stream.num_prompt_tokens))
+async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> list[Completion]:
+    """The request's choices, in index order."""
+    results = [Completion(Usage(prompt_tokens=stream.num_prompt_tokens)) for _ in range(stream.num_choices)]
     try:
         async for output in stream:
             timer.observe(output)
-            result.absorb(output)
+            results[output.index].absorb(output)
     finally:
         stream.close()
         s.engine.abort(stream.request_id)
         if not timer.ended:  # the client left (the handler was cancelled)
             timer.end(FinishReason.ABORT)
-    return result
+    return results
 
 
-def check_finished(result: Completion) -> None:
-    if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
-        raise APIError(500, result.error or "the request ended without a result", code="engine_error")
+def check_finished(results: list[Completion]) -> None:
+    for result in results:
+        if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
+            raise APIError(500, result.error or "the request ended without a result", code="engine_error")

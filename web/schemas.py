@@ -56,10 +56,6 @@ class SamplingFields(RequestBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -85,6 +81,8 @@ class SamplingFields(RequestBody):
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=self.logit_bias,
+            n=_default(self.n, 1),
         )
 
 

@@ -39,8 +39,9 @@ async def stream_events(
     # request after client_read_timeout and cancels the task, which closes the connection.
     current = asyncio.current_task()
     stream.on_read_timeout = current.cancel if current is not None else None
+    num_open = stream.num_choices  # each choice ends with its own finish chunk; the stream after the last
     try:
-        for chunk in fmt.opening_chunks():
+        for chunk in fmt.opening_chunks(stream.num_choices):
             yield sse_event(chunk)
         async for output in stream:
             timer.observe(output)
@@ -52,10 +53,12 @@ async def stream_events(
             if chunk is not None:
                 yield sse_event(chunk)
             if output.finished:
-                yield sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP))
-                if fmt.include_usage:
-                    yield sse_event(fmt.usage_chunk(usage))
-                break
+                yield sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP, output.index))
+                num_open -= 1
+                if not num_open:
+                    if fmt.include_usage:
+                        yield sse_event(fmt.usage_chunk(usage))
+                    break
         else:
             timer.end(FinishReason.ERROR)
             yield engine_error_event("the request ended without a result")
