@@ -1,9 +1,9 @@
 """Sluice's inference engine: paged KV cache, continuous batching, chunked prefill, preemption."""
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import ChoiceOutput, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ChoiceOutput"]
 
 
 def __getattr__(name: str):

@@ -164,3 +164,20 @@ def test_stream_yields_every_choice_until_the_last_finishes(llm):
     deltas = list(llm.stream(PROMPT, dataclasses.replace(SEEDED, n=3, max_tokens=5)))
     assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2]
     assert all(sum(len(d.new_token_ids) for d in deltas if d.index == i) == 5 for i in range(3))
+
+
+def test_a_fork_parent_prefilled_in_chunks_forks_once_its_last_chunk_is_computed(tiny_llama_dir, llm):
+    params = dataclasses.replace(SEEDED, n=3)
+    expected = choice_tokens(llm.generate([PROMPT], params, use_tqdm=False)[0])
+    chunked = make_llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False)
+    engine = chunked.engine
+    engine.add_request("r", PROMPT, params)
+    num_parent_steps = 0
+    while engine.requests["r"][0].num_forks:
+        assert engine.step() == []  # a fork parent samples nothing
+        num_parent_steps += 1
+    assert num_parent_steps == 4  # 28 shared tokens in chunks of 8
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert choice_tokens(chunked.generate([PROMPT], params, use_tqdm=False)[0]) == expected
+    assert_pool_full(chunked)
