@@ -8,6 +8,7 @@ are applied after the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class SamplingRow:
     prompt_token_ids: list[int]  # read only; used by repetition_penalty
     output_token_ids: list[int]  # read only; used by the penalties
     banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while fewer than min_tokens were generated
+    # An llguidance LLMatcher at this row's next token, or None. Read only here (its mask is computed from
+    # it); the event-loop thread advances it after the step.
+    matcher: Any = None
 
     @property
     def is_greedy(self) -> bool:

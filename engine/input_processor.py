@@ -7,11 +7,12 @@ cannot fit, so megabytes of text are rejected before anyone tokenizes them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequest
+from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,11 +29,20 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens, or what the context leaves when that is None
+    matcher: Any = None  # an llguidance LLMatcher when params.structured_outputs is set: the sequence owns it
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
         self.tokenizer = tokenizer
+        # One mask bit per token the sampler can choose: the model's vocabulary, less any padding past the tokenizer.
+        self.grammar_compiler = GrammarCompiler(tokenizer, min(len(tokenizer), vocab_size), eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # Every token covers at most this many characters of text (its raw form is at least as long as the
@@ -123,7 +133,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         self._check_num_tokens(len(prompt), param)
-        return PreparedRequest(request_id, prompt, params, self.check_lengths(len(prompt), params))
+        max_tokens = self.check_lengths(len(prompt), params)
+        structured = params.structured_outputs
+        matcher = self.grammar_compiler.compile(structured) if structured is not None else None
+        return PreparedRequest(request_id, prompt, params, max_tokens, matcher)
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The effective max_tokens of a request whose prompt fits; InvalidRequest for what cannot be honoured."""
