@@ -93,8 +93,8 @@ class InputProcessor:
             content = message.get("content")
             if not isinstance(content, str):
                 raise InvalidRequest("each message's 'content' must be a string", param="messages")
-            num_chars += len(content)
-        self._check_chars(num_chars, "messages")
+            num_chars += len(content) + (len(repr(message["tool_calls"])) if message.get("tool_calls") else 0)
+        self._check_chars(num_chars + len(repr(template_kwargs.get("tools") or "")), "messages")
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
         try:

@@ -11,6 +11,7 @@ from engine.config import ServerConfig
 from web.errors import APIError
 from web.logprobs import TokenText
 from web.metrics import ServerMetrics
+from web.tool_calls import ToolFormat, detect_tool_format
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Services:
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     _token_text: TokenText | None = None
+    _tool_format: ToolFormat | None = None
 
     @property
     def model_name(self) -> str:
@@ -30,6 +32,13 @@ class Services:
         if self._token_text is None:
             self._token_text = TokenText(self.engine.tokenizer)
         return self._token_text
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's chat template shows tools and its output writes calls."""
+        if self._tool_format is None:
+            self._tool_format = detect_tool_format(getattr(self.engine.tokenizer, "chat_template", None))
+        return self._tool_format
 
     def check_model(self, requested: str) -> str:
         served = self.model_name
