@@ -21,6 +21,7 @@ class Services:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     _token_text: TokenText | None = None
     _tool_format: ToolFormat | None = None
+    _marker_tokens: dict[str, int] | None = None
 
     @property
     def model_name(self) -> str:
@@ -39,6 +40,14 @@ class Services:
         if self._tool_format is None:
             self._tool_format = detect_tool_format(getattr(self.engine.tokenizer, "chat_template", None))
         return self._tool_format
+
+    @property
+    def tool_marker_tokens(self) -> dict[str, int]:
+        """The tool format's markers that the tokenizer has as single added tokens, by id."""
+        if self._marker_tokens is None:
+            added = self.engine.tokenizer.get_added_vocab()
+            self._marker_tokens = {m: added[m] for m in self.tool_format.markers if m in added}
+        return self._marker_tokens
 
     def check_model(self, requested: str) -> str:
         served = self.model_name

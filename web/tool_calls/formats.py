@@ -14,7 +14,7 @@ Chosen from the chat template's text (detect_tool_format):
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +48,21 @@ class ToolFormat:
     call_separator: str  # between constrained parallel calls
     is_in_template: bool  # the chat template renders tools itself (tools=); else a system message does
 
-    def call_grammar(self, tools: Sequence[FunctionTool], is_parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect): one call of one of `tools`, or several if is_parallel."""
-        parts = [json.dumps(self.call_open), "%json" + json.dumps(self._calls_schema(tools)), json.dumps(self.call_close)]
-        call = " ".join(p for p in parts if p != '""')
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return tuple(m for m in (self.syntax.start, self.syntax.end) if m)
+
+    def call_grammar(
+        self, tools: Sequence[FunctionTool], is_parallel: bool, marker_tokens: Mapping[str, int] | None = None
+    ) -> str:
+        """A Lark grammar (llguidance's dialect): one call of one of `tools`, or several if is_parallel.
+
+        marker_tokens: markers that are single added tokens of the tokenizer (Qwen's <tool_call>), by id:
+        llguidance reads an added token as a token, not as its text, so the grammar must name it so."""
+        markers = marker_tokens or {}
+        parts = [_lark_literal(self.call_open, markers), "%json" + json.dumps(self._calls_schema(tools)),
+                 _lark_literal(self.call_close, markers)]  # fmt: skip
+        call = " ".join(p for p in parts if p)
         repeat = f" ({json.dumps(self.call_separator)} call)*" if is_parallel else ""
         return f"start: call{repeat}\ncall: {call}\n"
 
@@ -125,3 +136,21 @@ def detect_tool_format(chat_template: str | None) -> ToolFormat:
 
 def _regex_literal(text: str) -> str:
     return "".join("\\" + c if c in r"\.^$|?*+()[]{}/" else c for c in text)
+
+
+def _lark_literal(text: str, tokens: Mapping[str, int]) -> str:
+    """text as Lark terminals: JSON string literals, and <[id]> for the pieces that are the given tokens."""
+    parts: list[str] = []
+    i = 0
+    while i < len(text):
+        token = next((t for t in tokens if text.startswith(t, i)), None)
+        if token is not None:
+            parts.append(f"<[{tokens[token]}]>")
+            i += len(token)
+            continue
+        j = i + 1
+        while j < len(text) and not any(text.startswith(t, j) for t in tokens):
+            j += 1
+        parts.append(json.dumps(text[i:j]))
+        i = j
+    return " ".join(parts)

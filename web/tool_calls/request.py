@@ -3,7 +3,7 @@ output is read (the call syntax, or None when calls are not parsed)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +27,10 @@ def plan_tools(
     choice: str,
     function_name: str | None,
     is_parallel: bool,
+    marker_tokens: Mapping[str, int] | None = None,
 ) -> ToolPlan:
-    """choice: "none", "auto", "required" or "function" (then function_name names it)."""
+    """choice: "none", "auto", "required" or "function" (then function_name names it); marker_tokens: the
+    format's markers that are single added tokens (see ToolFormat.call_grammar)."""
     if not fmt.is_in_template:
         messages = fmt.history_messages(messages)
     if not tools or choice == "none":
@@ -41,7 +43,7 @@ def plan_tools(
     else:
         plan = ToolPlan(_with_system_prompt(messages, fmt.system_prompt(tools)), syntax=fmt.syntax)
     if choice in ("required", "function"):
-        grammar = fmt.call_grammar(tools, is_parallel)
+        grammar = fmt.call_grammar(tools, is_parallel, marker_tokens)
     elif not fmt.is_in_template:
         grammar = fmt.auto_grammar(tools, is_parallel)
     else:
