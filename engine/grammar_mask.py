@@ -27,14 +27,15 @@ class GrammarMasker:
 
     def apply_(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """In place on [N, V] logits: every row with a matcher keeps only the tokens its grammar allows next."""
-        from llguidance.torch import fill_next_token_bitmask_par
-
         constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
         if not constrained:
             return
         num_rows, vocab = len(constrained), logits.shape[1]
         bitmask = self._buffer(num_rows, (vocab + 31) // 32)
-        fill_next_token_bitmask_par(self._executor, [(rows[i].matcher, j) for j, i in enumerate(constrained)], bitmask)
+        # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module (it sets up
+        # torch.compile, which costs seconds and memory): the executor writes row j at data_ptr + j * row bytes.
+        matchers = [(rows[i].matcher, j) for j, i in enumerate(constrained)]
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, num_rows)
         # Bit t of the little-endian bitmask is token t: unpacked, [num_rows, V] of 0 / 1.
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
         forbidden = torch.from_numpy(bits) == 0
@@ -47,4 +48,4 @@ class GrammarMasker:
     def _buffer(self, num_rows: int, num_words: int) -> torch.Tensor:
         if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != num_words:
             self._bitmask = torch.empty(max(num_rows, 8), num_words, dtype=torch.int32)
-        return self._bitmask[:num_rows]
+        return self._bitmask[:num_rows]  # contiguous: leading rows of a contiguous tensor
