@@ -32,7 +32,8 @@ class StructuredOutputs:
         if self.json_object:
             kinds.append("json_object")
         if len(kinds) != 1:
-            raise InvalidRequest(f"set exactly one of json, regex, choice, grammar, json_object; got {kinds}", self.param)
+            message = f"set exactly one of json, regex, choice, grammar, json_object; got {kinds}"
+            raise InvalidRequest(message, self.param)
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise InvalidRequest("json must be a JSON schema (an object or its JSON text)", self._param("json"))
         for name in ("regex", "grammar"):

@@ -97,7 +97,8 @@ class SamplingFields(RequestBody):
         if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
         if rf is not None and rf.type != "text" and self.structured_outputs is not None:
-            raise APIError(400, "send either response_format or structured_outputs, not both", param="structured_outputs")
+            message = "send either response_format or structured_outputs, not both"
+            raise APIError(400, message, param="structured_outputs")
 
     def constraint(self) -> StructuredOutputs | None:
         """What the output must match, from response_format or structured_outputs (InvalidRequest if malformed)."""
@@ -177,8 +178,9 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             # Templates write arguments with `| tojson`: they want the object, not its JSON text.
             message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
-                for c in self.tool_calls
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls  # fmt: skip
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id

@@ -109,7 +109,8 @@ class ToolFormat:
                 )
                 out.append({"role": "assistant", "content": (message.get("content") or "") + calls})
             elif message["role"] == "tool":
-                out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+                result = message.get("content") or ""
+                out.append({"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"})
             else:
                 out.append({k: v for k, v in message.items() if k in ("role", "content")})
         return out
