@@ -2,8 +2,9 @@
 
 from engine.outputs import ChoiceOutput, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ChoiceOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "ChoiceOutput"]
 
 
 def __getattr__(name: str):

@@ -8,6 +8,7 @@ are applied after the step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -28,6 +29,9 @@ class SamplingRow:
     output_token_ids: list[int]  # read only; used by the penalties
     banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while fewer than min_tokens were generated
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (read only)
+    # An llguidance LLMatcher at this row's next token, or None. Read only here (its mask is computed from
+    # it); the event-loop thread advances it after the step.
+    matcher: Any = None
 
     @property
     def is_greedy(self) -> bool:

@@ -7,11 +7,12 @@ cannot fit, so megabytes of text are rejected before anyone tokenizes them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequest
+from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,13 +29,21 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens, or what the context leaves when that is None
+    matcher: Any = None  # an llguidance LLMatcher when params.structured_outputs is set: the sequence owns it
 
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int, max_num_seqs: int | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        max_num_seqs: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # One mask bit per token the sampler can choose: the model's vocabulary, less any padding past the tokenizer.
+        self.grammar_compiler = GrammarCompiler(tokenizer, min(len(tokenizer), vocab_size), eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs  # n choices run at once: a request's n must fit in one batch
@@ -86,8 +95,8 @@ class InputProcessor:
             content = message.get("content")
             if not isinstance(content, str):
                 raise InvalidRequest("each message's 'content' must be a string", param="messages")
-            num_chars += len(content)
-        self._check_chars(num_chars, "messages")
+            num_chars += len(content) + (len(repr(message["tool_calls"])) if message.get("tool_calls") else 0)
+        self._check_chars(num_chars + len(repr(template_kwargs.get("tools") or "")), "messages")
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
         try:
@@ -126,7 +135,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         self._check_num_tokens(len(prompt), param)
-        return PreparedRequest(request_id, prompt, params, self.check_lengths(len(prompt), params))
+        max_tokens = self.check_lengths(len(prompt), params)
+        structured = params.structured_outputs
+        matcher = self.grammar_compiler.compile(structured) if structured is not None else None
+        return PreparedRequest(request_id, prompt, params, max_tokens, matcher)
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The effective max_tokens of a request whose prompt fits; InvalidRequest for what cannot be honoured."""

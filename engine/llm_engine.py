@@ -50,7 +50,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         kv_capacity = config.num_kv_blocks * config.block_size
         self.max_model_len = min(config.max_model_len, loaded.max_position_embeddings, kv_capacity)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids, config.max_num_seqs
+        )
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
         self.runner.warmup()
@@ -222,6 +224,7 @@ class LLMEngine:
             output_token_ids=seq.output_token_ids,
             banned_token_ids=banned,
             logit_bias=p.logit_bias,
+            matcher=seq.matcher,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

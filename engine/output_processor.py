@@ -5,6 +5,8 @@ It decides, and the engine applies: the OutputProcessor never touches the schedu
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.batch import SampledToken
 from engine.outputs import FinishReason, RequestOutput
 from engine.sequence import Sequence
@@ -24,6 +26,7 @@ class OutputProcessor:
         params = seq.params
         can_stop = seq.num_output_tokens >= params.min_tokens
         text, stop_str = seq.detokenizer.step(token_id, can_stop)
+        is_grammar_done = seq.matcher is not None and _advance_grammar(seq.matcher, token_id)
         reason: FinishReason | None = None
         if stop_str is not None:
             reason, seq.stop_reason = FinishReason.STOP, stop_str
@@ -31,6 +34,8 @@ class OutputProcessor:
             reason = FinishReason.STOP
         elif can_stop and token_id in seq.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, token_id
+        elif is_grammar_done:  # the output is complete: nothing but EOS could follow
+            reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         out = self._output(seq, [token_id], text)
@@ -65,3 +70,14 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             index=seq.index,
         )
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the grammar does not allow: the mask was not applied. A bug; it fails the request."""
+
+
+def _advance_grammar(matcher: Any, token_id: int) -> bool:
+    """Feed a sampled token to the request's matcher; True once the grammar accepts no further token."""
+    if not matcher.consume_token(token_id):
+        raise GrammarViolation(f"token {token_id} breaks the grammar: {matcher.get_error()}")
+    return matcher.is_stopped()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import SampledToken, SamplingRow
+from engine.grammar_mask import GrammarMasker
 
 _BLOCK = 256  # argmax and sampling: one block per row is scanned
 _TOPK_BLOCK = 64  # top-n: n blocks per row are scanned
@@ -218,6 +219,7 @@ class Sampler:
 
     def __init__(self, vocab_size: int | None = None, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
+        self._grammar_masker: GrammarMasker | None = None  # made for the first constrained row
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -229,21 +231,28 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} sampling rows")
         if self.vocab_size is not None and logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
+        is_caller_tensor = True
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
-            logits = logits.float().contiguous()
+            logits, is_caller_tensor = logits.float().contiguous(), False
 
+        constrained = any(r.matcher is not None for r in rows)
         modified = any(r.has_penalties or r.banned_token_ids or r.logit_bias for r in rows)
         want_logprobs = any(r.num_logprobs is not None for r in rows)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r)]
-        if len(greedy) == len(rows) and not modified and not want_logprobs:
+        if len(greedy) == len(rows) and not modified and not constrained and not want_logprobs:
             return [SampledToken(t) for t in argmax_rows(logits).tolist()]
 
         work = logits
-        if modified:
-            work = logits.clone(memory_format=torch.contiguous_format)  # raw logits stay for the logprobs
+        if modified or constrained:
+            if want_logprobs or is_caller_tensor:  # raw logits stay for the logprobs (and for the caller)
+                work = logits.clone(memory_format=torch.contiguous_format)
             apply_penalties_(work, rows)
             apply_logit_bias_(work, rows)
             apply_bans_(work, rows)
+            if constrained:
+                if self._grammar_masker is None:
+                    self._grammar_masker = GrammarMasker()
+                self._grammar_masker.apply_(work, rows)
 
         if len(greedy) == len(rows):
             tokens = argmax_rows(work)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
+from engine.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20
 # OpenAI allows 4 stop strings; vLLM has no bound. Matching runs on the event loop for every generated token,
@@ -62,6 +63,8 @@ class SamplingParams:
     # become ints; ids are checked against the vocabulary by the input processor.
     logit_bias: dict[int, float] | None = None
     n: int = 1  # independent completions of one prompt, sharing its prefill (seed + i for choice i)
+    # The output must match this (a JSON schema, a regex, a choice, a grammar): enforced token by token.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens
@@ -84,6 +87,7 @@ class SamplingParams:
         _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                  f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")  # fmt: skip
         self._check_stops()
+        self._check_structured_outputs()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
@@ -110,6 +114,15 @@ class SamplingParams:
                      f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key!r}")  # fmt: skip
             checked[token_id] = float(value)
         self.logit_bias = checked
+
+    def _check_structured_outputs(self) -> None:
+        structured = self.structured_outputs
+        if structured is None:
+            return
+        _require(isinstance(structured, StructuredOutputs), "structured_outputs",
+                 "structured_outputs must be a StructuredOutputs")  # fmt: skip
+        # min_tokens bans EOS where the grammar may demand it: the two could leave no token to sample.
+        _require(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured outputs")
 
     def _check_stops(self) -> None:
         if self.stop is None:

@@ -45,6 +45,11 @@ class Sequence:
         self.max_tokens = request.max_tokens  # params.max_tokens, or what the context leaves when that is None
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.detokenizer = detokenizer
+        # The grammar's state after every output token so far, or None. A preempted sequence is recomputed from
+        # its prompt and outputs, whose tokens the matcher has already accepted: it stays as it is. Choices
+        # other than the first get their own copy, made while the request's matcher has consumed nothing.
+        matcher = request.matcher
+        self.matcher = matcher.deep_copy() if matcher is not None and index > 0 else matcher
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids, in order

@@ -13,6 +13,7 @@ import pytest
 from server_harness import ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config
 
 MODEL = "tiny"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 12, "temperature": 0}
 COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
 
@@ -172,7 +173,32 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"x7": 1}}, None, 400, "logit_bias", "token ids"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"7": "1"}}, None, 400, "logit_bias", ""),
     ("/v1/completions", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(301)}}, None, 400, "logit_bias", "300"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools.0.function", "required"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     None, 400, "response_format", "tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, None, 400, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     None, 400, "tool_choice", "nope"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+     "tool_choice": "required"}, None, 400, "tools", "cannot be compiled"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, None, 400, "functions", "tools"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+     "schema": {"type": "nope"}}}}, None, 400, "response_format", "cannot be compiled"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, None, 400, "response_format", "schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, None, 400, "response_format.type", ""),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "min_tokens": 2}, None, 400,
+     "min_tokens", "structured"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a(b"}}, None, 400, "structured_outputs.regex",
+     "unclosed group"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"grammar": "start: nothing_here"}}, None, 400,
+     "structured_outputs.grammar", "nothing_here"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}, None, 400,
+     "structured_outputs", "exactly one"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"json": {"type": "object"}},
+     "response_format": {"type": "json_object"}}, None, 400, "structured_outputs", "either"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+     None, 400, "response_format", "cannot be compiled"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": "{oops"}}, None, 400, "structured_outputs.json", ""),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 600}, None, 400, "max_tokens", "512"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, None, 404, "model", "gpt-4"),
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, None, 400, "messages", "required"),

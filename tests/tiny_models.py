@@ -44,8 +44,8 @@ def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     return fast
 
 
-def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
-    tokenizer = build_tokenizer()
+def save_tiny_llama(path: Path, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None, **overrides) -> Path:
+    tokenizer = tokenizer or build_tokenizer()
     defaults = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,

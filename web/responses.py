@@ -10,6 +10,8 @@ from typing import Any
 from engine.batch import SampledToken
 from engine.outputs import RequestOutput
 from web.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
+from web.tool_calls import ArgumentsPiece, ToolCallHeader, ToolCallParser
+from web.tool_calls.parser import CallSyntax, ParserEvent
 
 
 @dataclass(slots=True)
@@ -102,6 +104,22 @@ class ChatResponses(_Responses):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
+    def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
+        super().__init__(model, token_text, wants_logprobs, include_usage)
+        self._tool_syntax: CallSyntax | None = None  # set when the output may hold tool calls
+        self._tool_parsers: dict[int, ToolCallParser] = {}  # per choice index
+
+    def read_tool_calls(self, syntax: CallSyntax) -> None:
+        self._tool_syntax = syntax
+
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if self._tool_syntax is None:
+            return None
+        parser = self._tool_parsers.get(index)
+        if parser is None:
+            parser = self._tool_parsers[index] = ToolCallParser(self._tool_syntax)
+        return parser
+
     def _delta(
         self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, index: int = 0
     ) -> dict:
@@ -110,14 +128,30 @@ class ChatResponses(_Responses):
     def opening_chunks(self, num_choices: int = 1) -> list[dict]:
         return [self._delta({"role": "assistant", "content": ""}, index=i) for i in range(num_choices)]
 
-    def delta_chunk(self, output: RequestOutput) -> dict | None:
+    def delta_chunks(self, output: RequestOutput) -> list[dict]:
         logprobs = chat_logprobs(output.logprobs, self.token_text) if self.wants_logprobs and output.logprobs else None
-        if not output.text_delta and logprobs is None:
-            return None
-        return self._delta({"content": output.text_delta}, logprobs=logprobs, index=output.index)
+        parser = self._parser(output.index)
+        if parser is None:
+            if not output.text_delta and logprobs is None:
+                return []
+            return [self._delta({"content": output.text_delta}, logprobs=logprobs, index=output.index)]
+        events = parser.feed(output.text_delta)
+        if output.finished:
+            events += parser.finish()
+        deltas = _event_deltas(events)
+        if logprobs is not None and not deltas:
+            deltas = [{"content": ""}]
+        return [
+            self._delta(d, logprobs=logprobs if i == 0 else None, index=output.index) for i, d in enumerate(deltas)
+        ]
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
-        return self._delta({}, finish_reason, index=index)
+        return self._delta({}, self._finish_reason(finish_reason, self._parser(index)), index=index)
+
+    @staticmethod
+    def _finish_reason(finish_reason: str | None, parser: ToolCallParser | None) -> str | None:
+        has_calls = parser is not None and bool(parser.calls)
+        return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
     def full_response(self, results: list[Completion]) -> dict:
         """results: the request's choices, in index order."""
@@ -125,8 +159,38 @@ class ChatResponses(_Responses):
 
     def _choice(self, index: int, result: Completion) -> dict[str, Any]:
         logprobs = chat_logprobs(result.logprobs, self.token_text) if self.wants_logprobs else None
-        message = {"role": "assistant", "content": result.text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        parser = self._parser(index)
+        if parser is not None:
+            events = parser.feed(result.text) + parser.finish()
+            content = "".join(e for e in events if isinstance(e, str))
+            message["content"] = content or None
+            if parser.calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parser.calls
+                ]
+        finish_reason = self._finish_reason(result.finish_reason, parser)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _event_deltas(events: list[ParserEvent]) -> list[dict[str, Any]]:
+    """Parser events as OpenAI deltas: content runs merged; a call's first delta carries its index, id, type and
+    name (arguments ""), later ones argument pieces only."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, str):
+            if deltas and "content" in deltas[-1]:
+                deltas[-1]["content"] += event
+            else:
+                deltas.append({"content": event})
+        elif isinstance(event, ToolCallHeader):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}  # fmt: skip
+            deltas.append({"tool_calls": [call]})
+        elif isinstance(event, ArgumentsPiece):
+            deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+    return deltas
 
 
 class CompletionResponses(_Responses):
@@ -144,14 +208,14 @@ class CompletionResponses(_Responses):
     def opening_chunks(self, num_choices: int = 1) -> list[dict]:
         return []
 
-    def delta_chunk(self, output: RequestOutput) -> dict | None:
+    def delta_chunks(self, output: RequestOutput) -> list[dict]:
         logprobs = None
         if self.wants_logprobs and output.logprobs:
             offsets = self._offsets.setdefault(output.index, TextOffsets())
             logprobs = completion_logprobs(output.logprobs, self.token_text, offsets)
         if not output.text_delta and logprobs is None:
-            return None
-        return self._text(output.text_delta, logprobs=logprobs, index=output.index)
+            return []
+        return [self._text(output.text_delta, logprobs=logprobs, index=output.index)]
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
         return self._text("", finish_reason, index=index)

@@ -4,6 +4,7 @@ streams; nothing here touches the engine's core."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -22,6 +23,7 @@ from web.responses import ChatResponses, Completion, CompletionResponses, Echoed
 from web.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from web.services import Services, services
 from web.sse import sse_response
+from web.tool_calls import plan_tools
 
 blueprint = Blueprint("openai", __name__)
 
@@ -32,8 +34,16 @@ async def chat_completions() -> Response:
     data, entry = await receive_body(s)
     body = parse_request(ChatCompletionRequest, parse_json(data))
     fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
+    params = body.to_sampling_params()
+    choice, function_name = body.tool_choice_kind()
     messages = [m.as_template_dict() for m in body.messages]
-    prepared = await s.engine.prepare_chat(fmt.id, messages, body.to_sampling_params())
+    plan = plan_tools(s.tool_format, messages, body.function_tools(), choice, function_name,
+                      bool(body.parallel_tool_calls), s.tool_marker_tokens)  # fmt: skip
+    if plan.structured_outputs is not None:
+        params = replace(params, structured_outputs=plan.structured_outputs)
+    if plan.syntax is not None:
+        fmt.read_tool_calls(plan.syntax)
+    prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **plan.template_kwargs)
     return await generate(s, entry, fmt, prepared, bool(body.stream))
 
 

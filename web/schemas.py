@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
+from web.strict_schema import closed_objects
+from web.tool_calls import FunctionTool
 
 # allow_inf_nan: a number that overflows JSON to inf (1e999) is a 400, never a value that reaches the sampler.
 StrictModel = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -17,6 +21,31 @@ StrictModel = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 class StreamOptions(BaseModel):
     model_config = StrictModel
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormatField(BaseModel):
+    model_config = StrictModel
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's extra request field: exactly one of json (a schema), regex, choice, grammar (Lark), json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class RequestBody(BaseModel):
@@ -50,6 +79,8 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+    response_format: ResponseFormatField | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -58,6 +89,27 @@ class SamplingFields(RequestBody):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        if rf is not None and rf.type != "text" and self.structured_outputs is not None:
+            message = "send either response_format or structured_outputs, not both"
+            raise APIError(400, message, param="structured_outputs")
+
+    def constraint(self) -> StructuredOutputs | None:
+        """What the output must match, from response_format or structured_outputs (InvalidRequest if malformed)."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type == "json_object":
+            return StructuredOutputs(json_object=True, param="response_format")
+        if rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None
+            schema = rf.json_schema.schema_
+            return StructuredOutputs(json=closed_objects(schema) if rf.json_schema.strict else schema,
+                                     param="response_format")  # fmt: skip
+        if so is None:
+            return None
+        return StructuredOutputs(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                 json_object=bool(so.json_object))  # fmt: skip
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -83,6 +135,7 @@ class SamplingFields(RequestBody):
             prompt_logprobs=prompt_logprobs,
             logit_bias=self.logit_bias,
             n=_default(self.n, 1),
+            structured_outputs=self.constraint(),
         )
 
 
@@ -92,19 +145,71 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = StrictModel
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    model_config = StrictModel
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = StrictModel
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         # The chat templates of small models know "system" but not OpenAI's newer "developer".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            # Templates write arguments with `| tojson`: they want the object, not its JSON text.
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls  # fmt: skip
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            message["name"] = self.name
+        return message
+
+
+class FunctionSpec(BaseModel):
+    model_config = StrictModel
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments are constrained whenever a call is: strict or not
+
+
+class ToolSpec(BaseModel):
+    model_config = StrictModel
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = StrictModel
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = StrictModel
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -112,24 +217,50 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} are not supported by this server", param=name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none", "auto"):
-                raise APIError(400, f"{name} is not supported by this server", param=name)
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.functions:
+            raise APIError(400, "functions are not supported by this server: use tools", param="functions")
+        if self.function_call not in (None, "none", "auto"):
+            raise APIError(400, "function_call is not supported by this server: use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        choice, name = self.tool_choice_kind()
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tool names must be unique", param="tools")
+        if choice in ("required", "function") and not names:
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        if choice == "function" and name not in names:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        if choice != "none" and names and self.constraint_requested():
+            raise APIError(400, "response_format / structured_outputs cannot be combined with tools unless "
+                           "tool_choice is 'none'", param="response_format")  # fmt: skip
+
+    def constraint_requested(self) -> bool:
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or self.structured_outputs is not None
+
+    def tool_choice_kind(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "function", the named function). OpenAI's default: auto with tools."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "function", choice.function.name
+        if choice is None:
+            return ("auto" if self.tools else "none"), None
+        return choice, None
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [
+            FunctionTool(t.function.name, t.function.description, closed_objects(t.function.parameters or {}))
+            for t in self.tools or []
+        ]
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -219,3 +350,10 @@ def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
 
 def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

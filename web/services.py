@@ -11,6 +11,7 @@ from engine.config import ServerConfig
 from web.errors import APIError
 from web.logprobs import TokenText
 from web.metrics import ServerMetrics
+from web.tool_calls import ToolFormat, detect_tool_format
 
 
 @dataclass
@@ -19,6 +20,8 @@ class Services:
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     _token_text: TokenText | None = None
+    _tool_format: ToolFormat | None = None
+    _marker_tokens: dict[str, int] | None = None
 
     @property
     def model_name(self) -> str:
@@ -30,6 +33,21 @@ class Services:
         if self._token_text is None:
             self._token_text = TokenText(self.engine.tokenizer)
         return self._token_text
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model's chat template shows tools and its output writes calls."""
+        if self._tool_format is None:
+            self._tool_format = detect_tool_format(getattr(self.engine.tokenizer, "chat_template", None))
+        return self._tool_format
+
+    @property
+    def tool_marker_tokens(self) -> dict[str, int]:
+        """The tool format's markers that the tokenizer has as single added tokens, by id."""
+        if self._marker_tokens is None:
+            added = self.engine.tokenizer.get_added_vocab()
+            self._marker_tokens = {m: added[m] for m in self.tool_format.markers if m in added}
+        return self._marker_tokens
 
     def check_model(self, requested: str) -> str:
         served = self.model_name

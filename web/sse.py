@@ -49,8 +49,7 @@ async def stream_events(
             if output.finish_reason is FinishReason.ERROR:
                 yield engine_error_event(output.error or "the engine failed")
                 break
-            chunk = fmt.delta_chunk(output)
-            if chunk is not None:
+            for chunk in fmt.delta_chunks(output):
                 yield sse_event(chunk)
             if output.finished:
                 yield sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP, output.index))

@@ -1,0 +1,157 @@
+"""Tool-call families: how a chat template shows tools to the model, how the model writes calls, and the
+grammar that makes it write them (for tool_choice "required" or a named function, and for the generic mode).
+
+Chosen from the chat template's text (detect_tool_format):
+- Hermes (Qwen 2.5, Hermes, many fine-tunes): the template knows `<tool_call>`; calls are
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+- Llama 3 JSON (Llama 3.1 / 3.2): the template knows `<|python_tag|>` or the `ipython` role; a call is the
+  whole output, `{"name": ..., "parameters": {...}}`, several separated by "; ".
+- Generic (templates with no tool format, such as the default SmolLM2's): the tools are described in a system
+  message, calls are written Hermes-style, and every output is constrained by a grammar: with tool_choice
+  "auto" it is either plain text (that does not open with `<tool_call>`) or calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from web.tool_calls.parser import CallSyntax
+
+# The compact JSON the grammar writes (as json.dumps does), inside %json{...} of a Lark grammar.
+_JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters or _NO_PARAMETERS}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    name: str
+    syntax: CallSyntax
+    arguments_key: str  # "arguments" or "parameters"
+    call_open: str  # what a constrained call is written between
+    call_close: str
+    call_separator: str  # between constrained parallel calls
+    is_in_template: bool  # the chat template renders tools itself (tools=); else a system message does
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return tuple(m for m in (self.syntax.start, self.syntax.end) if m)
+
+    def call_grammar(
+        self, tools: Sequence[FunctionTool], is_parallel: bool, marker_tokens: Mapping[str, int] | None = None
+    ) -> str:
+        """A Lark grammar (llguidance's dialect): one call of one of `tools`, or several if is_parallel.
+
+        marker_tokens: markers that are single added tokens of the tokenizer (Qwen's <tool_call>), by id:
+        llguidance reads an added token as a token, not as its text, so the grammar must name it so."""
+        markers = marker_tokens or {}
+        parts = [_lark_literal(self.call_open, markers), "%json" + json.dumps(self._calls_schema(tools)),
+                 _lark_literal(self.call_close, markers)]  # fmt: skip
+        call = " ".join(p for p in parts if p)
+        repeat = f" ({json.dumps(self.call_separator)} call)*" if is_parallel else ""
+        return f"start: call{repeat}\ncall: {call}\n"
+
+    def auto_grammar(self, tools: Sequence[FunctionTool], is_parallel: bool) -> str:
+        """Generic mode, tool_choice "auto": plain text that does not open with a call, or calls."""
+        calls = self.call_grammar(tools, is_parallel).replace("start:", "calls:", 1)
+        opener = self.call_open.strip()
+        text = f"TEXT: /(?s:.+)/ & ~/(?s:[ \\t\\r\\n]*{_regex_literal(opener)}.*)/"
+        return f"start: TEXT | calls\n{text}\n{calls}"
+
+    def _calls_schema(self, tools: Sequence[FunctionTool]) -> dict[str, Any]:
+        options = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, self.arguments_key: t.parameters or _NO_PARAMETERS},
+                "required": ["name", self.arguments_key],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+        return {**schema, "x-guidance": _JSON_FORMAT}
+
+    def system_prompt(self, tools: Sequence[FunctionTool]) -> str:
+        """Generic mode: what the model is told about the tools."""
+        listed = "\n".join(json.dumps(t.as_openai()["function"], ensure_ascii=False) for t in tools)
+        return (
+            "You can call functions. These are their signatures (JSON schema):\n<tools>\n"
+            f"{listed}\n</tools>\nTo call one, answer with\n"
+            f'{self.call_open}{{"name": <function name>, "{self.arguments_key}": <arguments object>}}{self.call_close}'
+        )
+
+    def history_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Generic mode: earlier calls and tool results as text a template without tools can render."""
+        out = []
+        for message in messages:
+            if message["role"] == "assistant" and message.get("tool_calls"):
+                calls = "".join(
+                    self.call_open
+                    + json.dumps({"name": c["function"]["name"], self.arguments_key: c["function"]["arguments"]},
+                                 ensure_ascii=False)  # fmt: skip
+                    + self.call_close
+                    for c in message["tool_calls"]
+                )
+                out.append({"role": "assistant", "content": (message.get("content") or "") + calls})
+            elif message["role"] == "tool":
+                result = message.get("content") or ""
+                out.append({"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"})
+            else:
+                out.append({k: v for k, v in message.items() if k in ("role", "content")})
+        return out
+
+
+HERMES = ToolFormat("hermes", CallSyntax("<tool_call>", "</tool_call>"), "arguments",
+                    "<tool_call>\n", "\n</tool_call>", "\n", is_in_template=True)  # fmt: skip
+LLAMA3_JSON = ToolFormat("llama3_json", CallSyntax("", "", ("<|python_tag|>",), ";"), "parameters",
+                         "", "", "; ", is_in_template=True)  # fmt: skip
+GENERIC = ToolFormat("generic", CallSyntax("<tool_call>", "</tool_call>"), "arguments",
+                     "<tool_call>", "</tool_call>", "\n", is_in_template=False)  # fmt: skip
+
+
+def detect_tool_format(chat_template: str | None) -> ToolFormat:
+    template = chat_template or ""
+    if "tools" not in template:
+        return GENERIC
+    if "<tool_call>" in template:
+        return HERMES
+    if "<|python_tag|>" in template or "ipython" in template:
+        return LLAMA3_JSON
+    return GENERIC
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/" else c for c in text)
+
+
+def _lark_literal(text: str, tokens: Mapping[str, int]) -> str:
+    """text as Lark terminals: JSON string literals, and <[id]> for the pieces that are the given tokens."""
+    parts: list[str] = []
+    i = 0
+    while i < len(text):
+        token = next((t for t in tokens if text.startswith(t, i)), None)
+        if token is not None:
+            parts.append(f"<[{tokens[token]}]>")
+            i += len(token)
+            continue
+        j = i + 1
+        while j < len(text) and not any(text.startswith(t, j) for t in tokens):
+            j += 1
+        parts.append(json.dumps(text[i:j]))
+        i = j
+    return " ".join(parts)
