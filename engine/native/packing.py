@@ -1,0 +1,92 @@
+"""Weights in the native kernels' tile layouts (see csrc/kernels.inc): Q4_1 for the layers' linears, Q8_0 for the
+token embedding and lm_head. Both quantisers reproduce a GGUF file's grid exactly when the float weights came
+from one (Q4_1: every group holds its minimum at q = 0 and its maximum at q = 15; Q8_0: its absolute maximum
+at |q| = 127), so the native model computes with the file's own values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # weights per scale along K
+TILE = 16  # output rows per tile
+
+
+@dataclass
+class Q4Packed:
+    qs: torch.Tensor  # uint8 [N/16 * K/2 * 16]
+    scale: torch.Tensor  # float32 [N/16 * K/32 * 16]
+    minv: torch.Tensor  # float32, same shape
+    bias: torch.Tensor  # float32 [N], or empty
+    n: int
+
+
+@dataclass
+class Q8Packed:
+    qs: torch.Tensor  # int8 [N/16 * K * 16]
+    scale: torch.Tensor  # float32 [N/16 * K/32 * 16]
+    n: int
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[Np, X] -> [Np/16, X, 16] flattened: row j of a tile becomes lane j."""
+    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous().view(-1)
+
+
+def q4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/32], minimum [N, K/32]); w ~ q * scale + minimum.
+    The same grid as Linear.quantize_int4."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-10)
+    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale, lo
+
+
+def q8_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (q int32 [N, K] in -127..127, scale [N, K/32]); w ~ q * scale."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    scale = groups.abs().amax(-1) / 127
+    q = (groups / scale.clamp_min(1e-30)[..., None]).round().clamp(-127, 127).to(torch.int32).view(n, k)
+    return q, scale
+
+
+def pack_q4(w: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
+    n, k = w.shape
+    q, scale, lo = q4_grid(w)
+    padded = -(-n // TILE) * TILE
+    q, scale, lo = _pad_rows(q, padded), _pad_rows(scale, padded), _pad_rows(lo, padded)
+    pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # [Np, K/2]: columns 2p, 2p+1 in one byte
+    empty = torch.empty(0, dtype=torch.float32)
+    return Q4Packed(
+        _tiles(pairs), _tiles(scale), _tiles(lo), empty if bias is None else bias.float().contiguous(), n
+    )
+
+
+def pack_q8(w: torch.Tensor) -> Q8Packed:
+    n, _ = w.shape
+    q, scale = q8_grid(w)
+    padded = -(-n // TILE) * TILE
+    q, scale = _pad_rows(q, padded), _pad_rows(scale, padded)
+    return Q8Packed(_tiles(q.to(torch.int8)), _tiles(scale), n)
+
+
+def dequantize_q4(w: torch.Tensor) -> torch.Tensor:
+    """The values the native kernels compute with, as a float [N, K] matrix (for tests and references)."""
+    q, scale, lo = q4_grid(w)
+    n, k = w.shape
+    return (q.view(n, -1, GROUP).float() * scale[..., None] + lo[..., None]).view(n, k)
+
+
+def dequantize_q8(w: torch.Tensor) -> torch.Tensor:
+    q, scale = q8_grid(w)
+    n, k = w.shape
+    return (q.view(n, -1, GROUP).float() * scale[..., None]).view(n, k)
