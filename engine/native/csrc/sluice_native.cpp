@@ -15,9 +15,11 @@
 #include <vector>
 
 #define SLUICE_KERNEL_DECLS                                                                                      \
-  void q4_gemm(const unsigned char*, const float*, const float*, int, int, const float*, const float*, long,    \
+  void q4_gemm(const unsigned char*, const unsigned short*, const unsigned short*, int, int, const float*,      \
+               const float*, long,                                                                              \
                const float*, int, float*, long, int, int, float*);                                              \
-  void q8_gemm(const signed char*, const float*, int, int, const float*, long, int, float*, long, int, int);    \
+  void q8_gemm(const signed char*, const unsigned short*, int, int, const float*, long, int, float*, long, int,  \
+               int);                                                                                            \
   void add_rmsnorm(float*, const float*, const float*, float, int, float*, float*);                             \
   void group_sums(const float*, int, float*);                                                                   \
   void silu_mul(const float*, const float*, int, float*);                                                       \
@@ -45,6 +47,7 @@ inline vu load_u16x16(const unsigned short* p) {
   return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
 }
 inline void store_u16x16(unsigned short* p, vu v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
+inline vf load_f16x16(const unsigned short* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -75,6 +78,11 @@ inline void store_u16x16(unsigned short* p, vu v) {
   __m256i packed = _mm256_packus_epi32((__m256i)lo, (__m256i)hi);  // lanes in 128-bit halves: reorder
   _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
 }
+inline vf load_f16x16(const unsigned short* p) {
+  vf8 lo = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  vf8 hi = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -99,6 +107,11 @@ inline vu load_u16x16(const unsigned short* p) {
 }
 inline void store_u16x16(unsigned short* p, vu v) {
   for (int i = 0; i < 16; i++) p[i] = (unsigned short)v[i];
+}
+inline vf load_f16x16(const unsigned short* p) {
+  vf v;
+  for (int i = 0; i < 16; i++) v[i] = (float)((const _Float16*)p)[i];
+  return v;
 }
 }  // namespace
 #include "kernels.inc"
@@ -164,6 +177,12 @@ void check_f32(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), what, " must be a contiguous float32 tensor");
 }
 
+void check_f16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), what, " must be a contiguous float16 tensor");
+}
+
+const unsigned short* half_bits(const at::Tensor& t) { return (const unsigned short*)t.data_ptr<at::Half>(); }
+
 // A Q4_1 linear in the tile layout of kernels.inc; bias optional (empty tensor).
 struct Q4Linear {
   at::Tensor qs, scale, minv, bias;
@@ -176,8 +195,8 @@ struct Q4Linear {
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q4 linear: K must be a positive multiple of 32");
     TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 8,
                 "Q4 linear: bad qs");
-    check_f32(scale, "scale");
-    check_f32(minv, "minv");
+    check_f16(scale, "scale");
+    check_f16(minv, "minv");
     TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16 && minv.numel() == scale.numel(),
                 "Q4 linear: bad scales");
     if (bias.defined() && bias.numel()) {
@@ -191,7 +210,7 @@ struct Q4Linear {
     const int tiles = (N + 15) / 16;
     const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
     const unsigned char* q = qs.data_ptr<unsigned char>();
-    const float *s = scale.data_ptr<float>(), *m = minv.data_ptr<float>();
+    const unsigned short *s = half_bits(scale), *m = half_bits(minv);
     auto fn = kernels().q4_gemm;
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -212,14 +231,14 @@ struct Q8Matrix {
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q8 matrix: K must be a positive multiple of 32");
     TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 16,
                 "Q8 matrix: bad qs");
-    check_f32(scale, "scale");
+    check_f16(scale, "scale");
     TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16, "Q8 matrix: bad scales");
   }
 
   void run(const float* x, long ldx, int M, float* y, long ldy) const {
     const int tiles = (N + 15) / 16;
     const signed char* q = qs.data_ptr<signed char>();
-    const float* s = scale.data_ptr<float>();
+    const unsigned short* s = half_bits(scale);
     auto fn = kernels().q8_gemm;
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(q, s, k, n, x, ldx, M, y, ldy, (int)t0, (int)t1); });
@@ -228,8 +247,8 @@ struct Q8Matrix {
   // row `n` dequantised into out[K]
   void row(int64_t n, float* out) const {
     const signed char* q = qs.data_ptr<signed char>() + (n / 16) * (int64_t)K * 16 + n % 16;
-    const float* s = scale.data_ptr<float>() + (n / 16) * (int64_t)(K / 32) * 16 + n % 16;
-    for (int k = 0; k < K; k++) out[k] = (float)q[(int64_t)k * 16] * s[(k / 32) * 16];
+    const at::Half* s = scale.data_ptr<at::Half>() + (n / 16) * (int64_t)(K / 32) * 16 + n % 16;
+    for (int k = 0; k < K; k++) out[k] = (float)q[(int64_t)k * 16] * (float)s[(k / 32) * 16];
   }
 };
 
