@@ -399,24 +399,29 @@ class NativeLlama {
           }
         }
       });
-      at::parallel_for(0, T * kv_heads_, 1, [&](int64_t w0, int64_t w1) {
+      // One task per (token, KV head) with its G query heads, or per (token, query head) when that leaves
+      // threads idle (a few decode rows). A head's arithmetic is the same either way: no effect on results.
+      const int per_task = T * kv_heads_ >= 4 ? G : 1;
+      const int tasks_per_row = heads_ / per_task;
+      at::parallel_for(0, T * tasks_per_row, 1, [&](int64_t w0, int64_t w1) {
         thread_local std::vector<float> scores;
         if ((int64_t)scores.size() < (int64_t)G * Lp) scores.resize((size_t)G * Lp);
         for (int64_t w = w0; w < w1; w++) {
-          const int64_t i = w / kv_heads_;
-          const int kh = w % kv_heads_;
-          const float* q = qkv.data() + i * QKV + kh * G * D;
+          const int64_t i = w / tasks_per_row;
+          const int head = (int)(w % tasks_per_row) * per_task;  // first query head of the task
+          const int kh = head / G;
+          const float* q = qkv.data() + i * QKV + head * D;
           const int* table = tables + (int64_t)seq[i] * max_blocks;
-          float* o = attn.data() + i * heads_ * D + kh * G * D;
+          float* o = attn.data() + i * heads_ * D + head * D;
           const int L = (int)(pos[i] + 1), lp = (L + 15) / 16 * 16;
           if (kv_bf16_) {
             const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
             const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, G, D, kc, vc, table, block_size_, L, scale, scores.data(), lp, o);
+            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), lp, o);
           } else {
             const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
             const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, G, D, kc, vc, table, block_size_, L, scale, scores.data(), lp, o);
+            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), lp, o);
           }
         }
       });
