@@ -1,9 +1,10 @@
 """The native step (engine/native): kernels against float references, the whole step against transformers,
 greedy output independent of batch composition, and the eager fallback.
 
-Tolerances: the native step computes in float32 from the weights' own Q4_1 / Q8_0 grids. On a model whose
-weights lie on those grids (the GGUF default model; grid_llama_dir here) its logits match the float32
-reference within 1e-3 with a float32 KV cache and 3e-2 with a bfloat16 one (its default)."""
+Tolerances: the native step computes from the weights' own Q4_1 / Q8_0 grids, with the layers' activations
+rounded to int16 per group of 32 (exact integer dot products) and float32 elsewhere. On a model whose weights
+lie on those grids (the GGUF default model; grid_llama_dir here) its logits stay within 1e-3 of the largest
+logit of the float32 reference with a float32 KV cache, 2e-2 with a bfloat16 one (the default dtype)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.native import native_ops
-from engine.native.packing import dequantize_q4, dequantize_q8, pack_q4, pack_q8
+from engine.native.packing import dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the native step is not built (make install builds it)")
@@ -71,8 +72,11 @@ def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: 
             for m in (1, 7, 8, 33):
                 x = torch.randn(m, k, generator=gen)
                 y = ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n)
-                ref = x.double() @ dequantize_q4(w).double().T + b.double()
-                torch.testing.assert_close(y.double(), ref, atol=2e-4, rtol=1e-5)
+                # int8 activations: exact integer dot products, float32 scaling
+                torch.testing.assert_close(y.double(), q4_reference(x, w) + b.double(), atol=2e-4, rtol=1e-5)
+                # and within int8 rounding of the float product (measured: 1-1.5% of the largest output)
+                exact = x.double() @ dequantize_q4(w).double().T + b.double()
+                assert (y.double() - exact).abs().max() < 0.03 * exact.abs().max()
                 # each row alone gives the same bits as in any batch (the batch-invariance invariant)
                 alone = torch.cat([ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n) for i in range(m)])
                 assert torch.equal(alone, y)
@@ -90,9 +94,9 @@ def test_quantisers_reproduce_a_grid_exactly() -> None:
     torch.testing.assert_close(dequantize_q8(on_q8), on_q8, atol=0, rtol=2e-7)
 
 
-@pytest.mark.parametrize("dtype, atol", [("float32", 1e-3), ("bfloat16", 3e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-3), ("bfloat16", 2e-2)])
 def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes(
-    grid_llama_dir: Path, dtype: str, atol: float
+    grid_llama_dir: Path, dtype: str, tolerance: float
 ) -> None:
     config = EngineConfig(model=str(grid_llama_dir), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=96)
     sampler = RecordingSampler()
@@ -126,10 +130,10 @@ def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes
         record(run_step(runner, [(s, 1) for s in (a, b, c, d)]))
     for _ in range(3):
         record(run_step(runner, [(s, 1) for s in (d, a)]))
-    for prefix, index in checked:
+    for prefix, index in checked:  # measured: 3e-4 (float32 cache), 9e-3 (bfloat16 cache)
         with torch.inference_mode():
             expected = reference(torch.tensor([prefix])).logits[0, -1]
-        torch.testing.assert_close(sampler.rows[index], expected, atol=atol, rtol=0)
+        assert (sampler.rows[index] - expected).abs().max() < tolerance * expected.abs().max()
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

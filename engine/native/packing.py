@@ -16,7 +16,7 @@ TILE = 16  # output rows per tile
 
 @dataclass
 class Q4Packed:
-    qs: torch.Tensor  # uint8 [N/16 * K/2 * 16]
+    qs: torch.Tensor  # uint8 [N/16 * K/8 * 16 * 4]: per tile, per octet of K, per row a uint32 of 8 nibbles
     scale: torch.Tensor  # float16 [N/16 * K/32 * 16]
     minv: torch.Tensor  # float16, same shape
     bias: torch.Tensor  # float32 [N], or empty
@@ -74,10 +74,15 @@ def pack_q4(w: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
     q, scale, lo = q4_grid(w)
     padded = -(-n // TILE) * TILE
     q, scale, lo = _pad_rows(q, padded), _pad_rows(scale, padded), _pad_rows(lo, padded)
-    pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # [Np, K/2]: columns 2p, 2p+1 in one byte
+    # per octet of K a uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i (i = 0..3)
+    q8 = q.to(torch.int64).view(-1, k // 8, 8)
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)
+    words = (q8 << shifts).sum(-1)  # [Np, K/8]
+    octet_bytes = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+    octets = octet_bytes.view(-1, TILE, k // 8, 4).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/8, 16, 4]
     empty = torch.empty(0, dtype=torch.float32)
     return Q4Packed(
-        _tiles(pairs), _tiles(scale.half()), _tiles(lo.half()), empty if bias is None else bias.float().contiguous(), n
+        octets, _tiles(scale.half()), _tiles(lo.half()), empty if bias is None else bias.float().contiguous(), n
     )
 
 
@@ -87,6 +92,27 @@ def pack_q8(w: torch.Tensor) -> Q8Packed:
     padded = -(-n // TILE) * TILE
     q, scale = _pad_rows(q, padded), _pad_rows(scale, padded)
     return Q8Packed(_tiles(q.to(torch.int8)), _tiles(scale.half()), n)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The activations the Q4 kernel multiplies with: each row's groups of 32 rounded to int16 steps of
+    max|x| / 32767 (as float [M, K]; the kernel adds the exact group sums of x for the minimums' term)."""
+    m, k = x.shape
+    groups = x.float().view(m, k // GROUP, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (`127.0 / tensor` multiplies by a reciprocal: ties round differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / 32767)).view(m, k)
+
+
+def q4_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the Q4 kernel computes for x [M, K] and the float weight w [N, K], in float64 (without bias)."""
+    q, scale, lo = q4_grid(w)
+    n, k = w.shape
+    xq = quantize_activations(x).double().view(x.shape[0], -1, GROUP)
+    xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, G]
+    dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP))  # [M, N, G]
+    return (dots * scale.double()[None]).sum(-1) + xsum @ lo.double().T
 
 
 def dequantize_q4(w: torch.Tensor) -> torch.Tensor:

@@ -14,23 +14,6 @@
 #include <string>
 #include <vector>
 
-#define SLUICE_KERNEL_DECLS                                                                                      \
-  void q4_gemm(const unsigned char*, const unsigned short*, const unsigned short*, int, int, const float*,      \
-               const float*, long,                                                                              \
-               const float*, int, float*, long, int, int, float*);                                              \
-  void q8_gemm(const signed char*, const unsigned short*, int, int, const float*, long, int, float*, long, int,  \
-               int);                                                                                            \
-  void add_rmsnorm(float*, const float*, const float*, float, int, float*, float*);                             \
-  void group_sums(const float*, int, float*);                                                                   \
-  void silu_mul(const float*, const float*, int, float*);                                                       \
-  void rope(float*, int, int, const float*, const float*);                                                      \
-  void store_k_f32(const float*, float*, int);                                                                  \
-  void store_k_bf16(const float*, unsigned short*, int);                                                        \
-  void attend_f32(const float*, int, int, const float*, const float*, const int*, int, int, float, float*, int, \
-                  float*);                                                                                      \
-  void attend_bf16(const float*, int, int, const unsigned short*, const unsigned short*, const int*, int, int,  \
-                   float, float*, int, float*);
-
 #include <immintrin.h>
 
 #include "vector_types.inc"
@@ -38,7 +21,7 @@
 typedef int vi8 __attribute__((vector_size(32)));
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
 namespace isa_avx512 {
 namespace {
 inline vi load_u8x16(const unsigned char* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
@@ -48,6 +31,7 @@ inline vu load_u16x16(const unsigned short* p) {
 }
 inline void store_u16x16(unsigned short* p, vu v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vf load_f16x16(const unsigned short* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline vi dot2(vi acc, vi w, vi x) { return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -83,6 +67,15 @@ inline vf load_f16x16(const unsigned short* p) {
   vf8 hi = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
+inline vi dot2(vi acc, vi w, vi x) {
+  vi8 lo = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+           (vi8)_mm256_madd_epi16((__m256i)__builtin_shufflevector(w, w, 0, 1, 2, 3, 4, 5, 6, 7),
+                                  (__m256i)__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+  vi8 hi = __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15) +
+           (vi8)_mm256_madd_epi16((__m256i)__builtin_shufflevector(w, w, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  (__m256i)__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  return join((__m256i)lo, (__m256i)hi);
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -113,6 +106,13 @@ inline vf load_f16x16(const unsigned short* p) {
   for (int i = 0; i < 16; i++) v[i] = (float)((const _Float16*)p)[i];
   return v;
 }
+inline vi dot2(vi acc, vi w, vi x) {
+  for (int i = 0; i < 16; i++) {
+    const unsigned wi = (unsigned)w[i], xi = (unsigned)x[i];
+    acc[i] += (int)(short)(wi & 0xFFFF) * (int)(short)(xi & 0xFFFF) + (int)(short)(wi >> 16) * (int)(short)(xi >> 16);
+  }
+  return acc;
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
@@ -122,6 +122,7 @@ namespace {
 struct Kernels {
   std::string name;
   decltype(&isa_base::q4_gemm) q4_gemm;
+  decltype(&isa_base::quantize_q16) quantize_q16;
   decltype(&isa_base::q8_gemm) q8_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
@@ -135,14 +136,15 @@ struct Kernels {
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::rope, ns::store_k_f32, \
+    #ns, ns::q4_gemm, ns::quantize_q16, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::rope, ns::store_k_f32, \
         ns::store_k_bf16, ns::attend_f32, ns::attend_bf16                                                   \
   }
 
 bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
 }
 
 bool cpu_has_avx2() {
@@ -205,18 +207,22 @@ struct Q4Linear {
     }
   }
 
-  // y[M, N] (row stride ldy) = x[M, K] W^T + b, with xsum[M, K/32] the group sums of x
-  void run(const float* x, long ldx, const float* xsum, int M, float* y, long ldy) const {
-    const int tiles = (N + 15) / 16;
+  // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised to int16 once.
+  void run(const float* x, long ldx, int M, float* y, long ldy) const {
+    const int tiles = (N + 15) / 16, G = K / 32;
+    const Kernels& kern = kernels();
+    std::vector<short> xq((size_t)M * K);
+    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++)
+        kern.quantize_q16(x + r * ldx, K, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+    });
     const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
     const unsigned char* q = qs.data_ptr<unsigned char>();
     const unsigned short *s = half_bits(scale), *m = half_bits(minv);
-    auto fn = kernels().q4_gemm;
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      thread_local std::vector<float> buf;
-      if ((int)buf.size() < k * 16) buf.resize(k * 16);
-      fn(q, s, m, k, n, b, x, ldx, xsum, M, y, ldy, (int)t0, (int)t1, buf.data());
+      kern.q4_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 };
@@ -263,10 +269,7 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor m
   const int M = x.size(0), K = x.size(1);
   Q4Linear w(qs, scale, minv, bias, K, N);
   at::Tensor y = at::empty({M, (int64_t)N}, x.options());
-  std::vector<float> xsum((size_t)M * (K / 32));
-  const float* xp = x.data_ptr<float>();
-  for (int m = 0; m < M; m++) kernels().group_sums(xp + (int64_t)m * K, K, xsum.data() + (int64_t)m * (K / 32));
-  w.run(xp, K, xsum.data(), M, y.data_ptr<float>(), N);
+  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -357,10 +360,9 @@ class NativeLlama {
 
     const Kernels& kern = kernels();
     const int H = H_, I = I_, D = D_, QKV = (heads_ + 2 * kv_heads_) * D_, G = heads_ / kv_heads_;
-    const int GS = std::max(std::max(H, I), heads_ * D_) / 32;  // xsum row stride: K / 32 of each linear
     at::Tensor hidden = at::empty({T, (int64_t)H}, at::kFloat);
     float* h = hidden.data_ptr<float>();
-    std::vector<float> xn((size_t)T * std::max(H, heads_ * D)), xsum((size_t)T * GS), qkv((size_t)T * QKV),
+    std::vector<float> xn((size_t)T * std::max(H, heads_ * D)), qkv((size_t)T * QKV),
         attn((size_t)T * heads_ * D), out((size_t)T * H), gu((size_t)T * 2 * I), act((size_t)T * I);
     int64_t max_len = 0;
     for (int64_t i = 0; i < T; i++) max_len = std::max(max_len, pos[i] + 1);
@@ -378,9 +380,9 @@ class NativeLlama {
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
           kern.add_rmsnorm(h + i * H, pending ? pending + i * H : nullptr, layer.input_norm.data_ptr<float>(),
-                           eps_, H, xn.data() + i * H, xsum.data() + i * (H / 32));
+                           eps_, H, xn.data() + i * H, nullptr);
       });
-      layer.qkv.run(xn.data(), H, xsum.data(), (int)T, qkv.data(), QKV);
+      layer.qkv.run(xn.data(), H, (int)T, qkv.data(), QKV);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
           float* row = qkv.data() + i * QKV;
@@ -426,21 +428,19 @@ class NativeLlama {
         }
       });
       const int AD = heads_ * D;
-      for (int64_t i = 0; i < T; i++) kern.group_sums(attn.data() + i * AD, AD, xsum.data() + i * (AD / 32));
-      layer.o.run(attn.data(), AD, xsum.data(), (int)T, out.data(), H);
+      layer.o.run(attn.data(), AD, (int)T, out.data(), H);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
           kern.add_rmsnorm(h + i * H, out.data() + i * H, layer.post_norm.data_ptr<float>(), eps_, H,
-                           xn.data() + i * H, xsum.data() + i * (H / 32));
+                           xn.data() + i * H, nullptr);
       });
-      layer.gate_up.run(xn.data(), H, xsum.data(), (int)T, gu.data(), 2 * I);
+      layer.gate_up.run(xn.data(), H, (int)T, gu.data(), 2 * I);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
           kern.silu_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
-          kern.group_sums(act.data() + i * I, I, xsum.data() + i * (I / 32));
         }
       });
-      layer.down.run(act.data(), I, xsum.data(), (int)T, out.data(), H);
+      layer.down.run(act.data(), I, (int)T, out.data(), H);
     }
     for (int64_t i = 0; i < (int64_t)T * H; i++) h[i] += out[i];
     return hidden;
