@@ -25,7 +25,7 @@ class Q4Packed:
 
 @dataclass
 class Q8Packed:
-    qs: torch.Tensor  # int8 [N/16 * K * 16]
+    qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2]: per tile, per column pair, per row the pair
     scale: torch.Tensor  # float16 [N/16 * K/32 * 16]
     n: int
 
@@ -91,7 +91,9 @@ def pack_q8(w: torch.Tensor) -> Q8Packed:
     q, scale = q8_grid(w)
     padded = -(-n // TILE) * TILE
     q, scale = _pad_rows(q, padded), _pad_rows(scale, padded)
-    return Q8Packed(_tiles(q.to(torch.int8)), _tiles(scale.half()), n)
+    k = q.shape[1]
+    pairs = q.to(torch.int8).view(-1, TILE, k // 2, 2).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/2, 16, 2]
+    return Q8Packed(pairs, _tiles(scale.half()), n)
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +105,11 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     # a true division, as the kernel's (`127.0 / tensor` multiplies by a reciprocal: ties round differently)
     inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
     return (torch.round(groups * inv) * (amax / 32767)).view(m, k)
+
+
+def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the Q8 kernel computes for x [M, K] and the float weight w [N, K], in float64."""
+    return quantize_activations(x).double() @ dequantize_q8(w).double().T
 
 
 def q4_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,9 @@ inline vu load_u16x16(const unsigned short* p) {
 inline void store_u16x16(unsigned short* p, vu v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vf load_f16x16(const unsigned short* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline vi dot2(vi acc, vi w, vi x) { return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
+inline vi load_s8x32_as_s16(const signed char* p) {
+  return (vi)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -66,6 +69,10 @@ inline vf load_f16x16(const unsigned short* p) {
   vf8 lo = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
   vf8 hi = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline vi load_s8x32_as_s16(const signed char* p) {
+  return join(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)),
+              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16))));
 }
 inline vi dot2(vi acc, vi w, vi x) {
   vi8 lo = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -104,6 +111,11 @@ inline void store_u16x16(unsigned short* p, vu v) {
 inline vf load_f16x16(const unsigned short* p) {
   vf v;
   for (int i = 0; i < 16; i++) v[i] = (float)((const _Float16*)p)[i];
+  return v;
+}
+inline vi load_s8x32_as_s16(const signed char* p) {
+  vi v;
+  for (int i = 0; i < 16; i++) v[i] = (int)(unsigned short)(short)p[2 * i] | ((int)(short)p[2 * i + 1] << 16);
   return v;
 }
 inline vi dot2(vi acc, vi w, vi x) {
@@ -242,19 +254,25 @@ struct Q8Matrix {
   }
 
   void run(const float* x, long ldx, int M, float* y, long ldy) const {
-    const int tiles = (N + 15) / 16;
+    const int tiles = (N + 15) / 16, G = K / 32;
+    const Kernels& kern = kernels();
+    std::vector<short> xq((size_t)M * K);
+    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
+    for (int r = 0; r < M; r++)
+      kern.quantize_q16(x + r * ldx, K, xq.data() + (size_t)r * K, sx.data() + (size_t)r * G, xsum.data() + (size_t)r * G);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
-    auto fn = kernels().q8_gemm;
     const int k = K, n = N;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(q, s, k, n, x, ldx, M, y, ldy, (int)t0, (int)t1); });
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      kern.q8_gemm(q, s, k, n, xq.data(), sx.data(), M, y, ldy, (int)t0, (int)t1);
+    });
   }
 
   // row `n` dequantised into out[K]
   void row(int64_t n, float* out) const {
-    const signed char* q = qs.data_ptr<signed char>() + (n / 16) * (int64_t)K * 16 + n % 16;
+    const signed char* q = qs.data_ptr<signed char>() + (n / 16) * (int64_t)K * 16 + (n % 16) * 2;
     const at::Half* s = scale.data_ptr<at::Half>() + (n / 16) * (int64_t)(K / 32) * 16 + n % 16;
-    for (int k = 0; k < K; k++) out[k] = (float)q[(int64_t)k * 16] * (float)s[(k / 32) * 16];
+    for (int k = 0; k < K; k++) out[k] = (float)q[(int64_t)(k / 2) * 32 + k % 2] * (float)s[(k / 32) * 16];
   }
 };
 
