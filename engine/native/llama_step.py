@@ -26,10 +26,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     attn = model.model.layers[0].self_attn
     if cfg.hidden_size % GROUP or cfg.intermediate_size % GROUP or attn.q_size % GROUP:
         return f"hidden / intermediate / attention sizes must be multiples of {GROUP}"
-    if attn.head_dim % 16 or attn.head_dim > 512:
-        return "head_dim must be a multiple of 16, at most 512"
-    if attn.num_heads // attn.num_kv_heads > 64:
-        return "more than 64 query heads per KV head"
+    if attn.head_dim not in (16, 32, 64, 128):
+        return "head_dim must be 16, 32, 64 or 128"
     if model.lm_head.bias is not None:
         return "lm_head has a bias"
     return None

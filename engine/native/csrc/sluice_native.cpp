@@ -309,8 +309,9 @@ class NativeLlama {
       : H_(hidden), I_(intermediate), heads_(num_heads), kv_heads_(num_kv_heads), D_(head_dim), eps_(eps),
         vocab_(vocab), embed_(embed_qs, embed_scale, hidden, vocab), head_(head_qs, head_scale, hidden, vocab),
         final_norm_(final_norm), cos_(cos), sin_(sin) {
-    TORCH_CHECK(H_ % 32 == 0 && I_ % 32 == 0 && D_ % 16 == 0 && D_ <= 512, "unsupported model shape");
-    TORCH_CHECK(heads_ % kv_heads_ == 0 && heads_ / kv_heads_ <= 64, "unsupported head grouping");
+    TORCH_CHECK(H_ % 32 == 0 && I_ % 32 == 0 && (D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128),
+                "unsupported model shape");
+    TORCH_CHECK(heads_ % kv_heads_ == 0, "unsupported head grouping");
     check_f32(final_norm_, "final_norm");
     check_f32(cos_, "cos");
     check_f32(sin_, "sin");
@@ -419,29 +420,25 @@ class NativeLlama {
           }
         }
       });
-      // One task per (token, KV head) with its G query heads, or per (token, query head) when that leaves
-      // threads idle (a few decode rows). A head's arithmetic is the same either way: no effect on results.
-      const int per_task = T * kv_heads_ >= 4 ? G : 1;
-      const int tasks_per_row = heads_ / per_task;
-      at::parallel_for(0, T * tasks_per_row, 1, [&](int64_t w0, int64_t w1) {
+      // one task per (token, query head)
+      at::parallel_for(0, T * heads_, 1, [&](int64_t w0, int64_t w1) {
         thread_local std::vector<float> scores;
-        if ((int64_t)scores.size() < (int64_t)G * Lp) scores.resize((size_t)G * Lp);
+        if ((int64_t)scores.size() < Lp) scores.resize(Lp);
         for (int64_t w = w0; w < w1; w++) {
-          const int64_t i = w / tasks_per_row;
-          const int head = (int)(w % tasks_per_row) * per_task;  // first query head of the task
-          const int kh = head / G;
+          const int64_t i = w / heads_;
+          const int head = (int)(w % heads_), kh = head / G;
           const float* q = qkv.data() + i * QKV + head * D;
           const int* table = tables + (int64_t)seq[i] * max_blocks;
           float* o = attn.data() + i * heads_ * D + head * D;
-          const int L = (int)(pos[i] + 1), lp = (L + 15) / 16 * 16;
+          const int L = (int)(pos[i] + 1);
           if (kv_bf16_) {
             const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
             const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), lp, o);
+            kern.attend_bf16(q, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
           } else {
             const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
             const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), lp, o);
+            kern.attend_f32(q, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
           }
         }
       });
