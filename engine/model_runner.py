@@ -134,8 +134,8 @@ class ModelRunner:
         slots: list[int] = []
         row_seq: list[int] = []
         last_rows: list[int] = []
+        tables: list[int] = []  # [chunks, width] flat, each row padded with block 0
         width = max(len(c.block_table) for c in batch.chunks)
-        tables = torch.zeros(len(batch.chunks), width, dtype=torch.int32)
         for i, c in enumerate(batch.chunks):
             end = c.start_pos + c.num_tokens
             input_ids += c.token_ids
@@ -143,13 +143,14 @@ class ModelRunner:
             slots += self._slots(c, c.start_pos, end)
             row_seq += [i] * c.num_tokens
             last_rows.append(len(input_ids) - 1)
-            tables[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
+            tables += c.block_table
+            tables += [0] * (width - len(c.block_table))
         hidden = self.native.forward(
             torch.tensor(input_ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
             torch.tensor(slots, dtype=torch.int64),
             torch.tensor(row_seq, dtype=torch.int32),
-            tables,
+            torch.tensor(tables, dtype=torch.int32).view(len(batch.chunks), width),
         )
         return hidden, last_rows
 
