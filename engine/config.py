@@ -24,7 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
-    quantize: str = "auto"  # "auto" | "none": weight-only quantised kernels for small batches
+    quantize: str = "auto"  # "auto" | "none": the native step / weight-only quantised kernels, or dense only
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

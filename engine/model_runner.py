@@ -61,19 +61,28 @@ class ModelRunner:
         ]
         self._stage: _StageState | None = None
         self.quant_max_tokens = QUANT_MAX_TOKENS if config.quantize == "auto" else 0
+        # the native step (one C++ call for all layers, GIL released) when the loader built one for this model;
+        # it reads and writes the same paged caches in place
+        self.native = loaded.native
+        if self.native is not None:
+            self.native.set_kv_caches([c.k for c in self.kv_caches], [c.v for c in self.kv_caches])
+        self.compute_logits = self.model.compute_logits if self.native is None else self.native.compute_logits
 
     def run(self, batch: StepBatch) -> StepOutput:
         """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order,
         and score the prompt tokens that chunks ask for."""
         with torch.inference_mode():
-            input_ids, ctx, last_rows, stage = self._prepare(batch)
-            self._stage = None  # until this forward pass has filled the stage
-            hidden = self.model(input_ids, ctx, self.kv_caches)
-            self._stage = stage
+            if self.native is not None:
+                hidden, last_rows = self._forward_native(batch)
+            else:
+                input_ids, ctx, last_rows, stage = self._prepare(batch)
+                self._stage = None  # until this forward pass has filled the stage
+                hidden = self.model(input_ids, ctx, self.kv_caches)
+                self._stage = stage
             output = StepOutput([], self._score_prompts(hidden, batch.chunks, last_rows))
             sample_index = [row for c, row in zip(batch.chunks, last_rows) if c.sampling is not None]
             if sample_index:
-                logits = self.model.compute_logits(hidden[torch.tensor(sample_index)])
+                logits = self.compute_logits(hidden[torch.tensor(sample_index)])
                 output.sampled = self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
             return output
 
@@ -92,7 +101,7 @@ class ModelRunner:
             for start in range(0, len(scoring.target_ids), SCORING_ROWS_PER_SLICE):
                 targets = scoring.target_ids[start : start + SCORING_ROWS_PER_SLICE]
                 rows = hidden[first_row + start : first_row + start + len(targets)]
-                logits = self.model.compute_logits(rows)[:, : self.vocab_size].float()
+                logits = self.compute_logits(rows)[:, : self.vocab_size].float()
                 scored += token_logprobs(logits, torch.tensor(targets), [scoring.num_top] * len(targets))
         return scores
 
@@ -107,11 +116,43 @@ class ModelRunner:
         decode = SeqChunk(seq_id=-1, token_ids=[0], start_pos=n, block_table=blocks, sampling=None)
         with torch.inference_mode():
             for batch in (StepBatch([prefill]), StepBatch([decode])):
+                if self.native is not None:
+                    hidden, _ = self._forward_native(batch)
+                    self.compute_logits(hidden[-1:])
+                    continue
                 self._stage = None
                 input_ids, ctx, _, _ = self._prepare(batch)
                 hidden = self.model(input_ids, ctx, self.kv_caches)
                 self.model.compute_logits(hidden[-1:])
         self._stage = None
+
+    def _forward_native(self, batch: StepBatch) -> tuple[torch.Tensor, list[int]]:
+        """The step's tokens in chunk order through the native step: [T, hidden], and each chunk's last row.
+        Every token attends to positions 0 .. its own of its sequence, read in place through its block table."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_seq: list[int] = []
+        last_rows: list[int] = []
+        tables: list[int] = []  # [chunks, width] flat, each row padded with block 0
+        width = max(len(c.block_table) for c in batch.chunks)
+        for i, c in enumerate(batch.chunks):
+            end = c.start_pos + c.num_tokens
+            input_ids += c.token_ids
+            positions += range(c.start_pos, end)
+            slots += self._slots(c, c.start_pos, end)
+            row_seq += [i] * c.num_tokens
+            last_rows.append(len(input_ids) - 1)
+            tables += c.block_table
+            tables += [0] * (width - len(c.block_table))
+        hidden = self.native.forward(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(row_seq, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32).view(len(batch.chunks), width),
+        )
+        return hidden, last_rows
 
     def _slots(self, chunk: SeqChunk, start: int, end: int) -> list[int]:
         bs, table = self.block_size, chunk.block_table

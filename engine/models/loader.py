@@ -45,6 +45,7 @@ class LoadedModel:
     max_position_embeddings: int
     vocab_size: int
     dtype: torch.dtype
+    native: Any = None  # engine.native.llama_step.NativeLlamaStep when the native step runs this model
 
 
 def default_gguf_path() -> Path:
@@ -177,13 +178,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dtype = DTYPES[config.dtype]
 
+    ops = _native_ops_for(cls, config)
     quantize = config.quantize == "auto" and dtype == torch.bfloat16
     quant_file = _quant_cache_file(model_dir, dtype, config.cache_path) if quantize else None
     # quantising reads the checkpoint's own (float32) values; otherwise build in dtype and cast while loading
-    with _default_dtype(torch.float32 if quantize and not (quant_file and quant_file.is_file()) else dtype):
+    exact = ops is not None or (quantize and not (quant_file and quant_file.is_file()))
+    with _default_dtype(torch.float32 if exact else dtype):
         model = cls(hf_config)
     model.load_weights(_iter_weights(model_dir))
-    if quantize:
+    native = _native_step(ops, model)  # packs its own copies of the weights; the eager path needs no int4 then
+    if quantize and native is None:
         quantize_model(model, dtype, quant_file)  # cached for large models: quantising takes seconds
     model.to(dtype).eval()
     for module in model.modules():
@@ -201,7 +205,31 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_position_embeddings=int(max_pos),
         vocab_size=int(hf_config.vocab_size),
         dtype=dtype,
+        native=native,
     )
+
+
+def _native_ops_for(cls: type, config: EngineConfig) -> Any:
+    """The native extension if this model class in this config runs on it (quantize "auto", Llama family)."""
+    from engine.models.llama import LlamaForCausalLM
+
+    if config.quantize != "auto" or not issubclass(cls, LlamaForCausalLM):
+        return None
+    from engine.native import native_ops
+
+    return native_ops()
+
+
+def _native_step(ops: Any, model: nn.Module) -> Any:
+    if ops is None:
+        return None
+    from engine.native.llama_step import NativeLlamaStep, unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.warning("the native step cannot run this model (%s); using the eager PyTorch path", reason)
+        return None
+    return NativeLlamaStep(ops, model)
 
 
 def _quant_cache_file(model_dir: Path, dtype: torch.dtype, cache_root: Path) -> Path | None:

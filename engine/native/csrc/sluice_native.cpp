@@ -1,0 +1,506 @@
+// Sluice's native Llama step: the whole decoder stack (and the lm_head) as one call each, the GIL released.
+//
+// Weights: Q4_1 (4-bit, per 32-group scale and minimum) for every linear of the layers, Q8_0 (int8, per
+// 32-group scale) for the token embedding and lm_head: the grids of the GGUF file, reproduced exactly.
+// Activations are float32; the KV cache is the runner's (bf16 or float32, [KVH][blocks][block_size][D]),
+// written and read in place through block tables. Kernels are compiled three times (AVX-512, AVX2+FMA,
+// baseline x86-64) and chosen at run time from the CPU's features.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "vector_types.inc"
+
+typedef int vi8 __attribute__((vector_size(32)));
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
+namespace isa_avx512 {
+namespace {
+inline vi load_u8x16(const unsigned char* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline vi load_s8x16(const signed char* p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline vu load_u16x16(const unsigned short* p) {
+  return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+}
+inline void store_u16x16(unsigned short* p, vu v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
+inline vf load_f16x16(const unsigned short* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline vi dot2(vi acc, vi w, vi x) { return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
+inline vi load_s8x32_as_s16(const signed char* p) {
+  return (vi)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+}
+}  // namespace
+#include "kernels.inc"
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+namespace isa_avx2 {
+namespace {
+inline vi join(__m256i lo, __m256i hi) {
+  return __builtin_shufflevector((vi8)lo, (vi8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline vi load_u8x16(const unsigned char* p) {
+  return join(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)),
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+}
+inline vi load_s8x16(const signed char* p) {
+  return join(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)),
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+}
+inline vu load_u16x16(const unsigned short* p) {
+  return (vu)join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
+                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))));
+}
+inline void store_u16x16(unsigned short* p, vu v) {
+  vi8 lo = __builtin_shufflevector((vi)v, (vi)v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vi8 hi = __builtin_shufflevector((vi)v, (vi)v, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m256i packed = _mm256_packus_epi32((__m256i)lo, (__m256i)hi);  // lanes in 128-bit halves: reorder
+  _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
+}
+inline vf load_f16x16(const unsigned short* p) {
+  vf8 lo = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  vf8 hi = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline vi load_s8x32_as_s16(const signed char* p) {
+  return join(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)),
+              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16))));
+}
+inline vi dot2(vi acc, vi w, vi x) {
+  vi8 lo = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+           (vi8)_mm256_madd_epi16((__m256i)__builtin_shufflevector(w, w, 0, 1, 2, 3, 4, 5, 6, 7),
+                                  (__m256i)__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+  vi8 hi = __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15) +
+           (vi8)_mm256_madd_epi16((__m256i)__builtin_shufflevector(w, w, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  (__m256i)__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  return join((__m256i)lo, (__m256i)hi);
+}
+}  // namespace
+#include "kernels.inc"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+namespace isa_base {
+namespace {
+inline vi load_u8x16(const unsigned char* p) {
+  vi v;
+  for (int i = 0; i < 16; i++) v[i] = p[i];
+  return v;
+}
+inline vi load_s8x16(const signed char* p) {
+  vi v;
+  for (int i = 0; i < 16; i++) v[i] = p[i];
+  return v;
+}
+inline vu load_u16x16(const unsigned short* p) {
+  vu v;
+  for (int i = 0; i < 16; i++) v[i] = p[i];
+  return v;
+}
+inline void store_u16x16(unsigned short* p, vu v) {
+  for (int i = 0; i < 16; i++) p[i] = (unsigned short)v[i];
+}
+inline vf load_f16x16(const unsigned short* p) {
+  vf v;
+  for (int i = 0; i < 16; i++) v[i] = (float)((const _Float16*)p)[i];
+  return v;
+}
+inline vi load_s8x32_as_s16(const signed char* p) {
+  vi v;
+  for (int i = 0; i < 16; i++) v[i] = (int)(unsigned short)(short)p[2 * i] | ((int)(short)p[2 * i + 1] << 16);
+  return v;
+}
+inline vi dot2(vi acc, vi w, vi x) {
+  for (int i = 0; i < 16; i++) {
+    const unsigned wi = (unsigned)w[i], xi = (unsigned)x[i];
+    acc[i] += (int)(short)(wi & 0xFFFF) * (int)(short)(xi & 0xFFFF) + (int)(short)(wi >> 16) * (int)(short)(xi >> 16);
+  }
+  return acc;
+}
+}  // namespace
+#include "kernels.inc"
+}  // namespace isa_base
+
+namespace {
+
+struct Kernels {
+  std::string name;
+  decltype(&isa_base::q4_gemm) q4_gemm;
+  decltype(&isa_base::quantize_q16) quantize_q16;
+  decltype(&isa_base::q8_gemm) q8_gemm;
+  decltype(&isa_base::add_rmsnorm) add_rmsnorm;
+  decltype(&isa_base::group_sums) group_sums;
+  decltype(&isa_base::silu_mul) silu_mul;
+  decltype(&isa_base::rope) rope;
+  decltype(&isa_base::store_k_f32) store_k_f32;
+  decltype(&isa_base::store_k_bf16) store_k_bf16;
+  decltype(&isa_base::attend_f32) attend_f32;
+  decltype(&isa_base::attend_bf16) attend_bf16;
+};
+
+#define SLUICE_KERNELS(ns)                                                                                  \
+  Kernels {                                                                                                 \
+    #ns, ns::q4_gemm, ns::quantize_q16, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::rope, ns::store_k_f32, \
+        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16                                                   \
+  }
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+Kernels best_kernels() {
+  if (cpu_has_avx512()) return SLUICE_KERNELS(isa_avx512);
+  if (cpu_has_avx2()) return SLUICE_KERNELS(isa_avx2);
+  return SLUICE_KERNELS(isa_base);
+}
+
+Kernels& kernels() {
+  static Kernels k = best_kernels();
+  return k;
+}
+
+// "avx512", "avx2", "base" or "best": for tests of every path on one machine; refuses what the CPU lacks.
+std::string set_isa(const std::string& name) {
+  if (name == "best") kernels() = best_kernels();
+  else if (name == "avx512" && cpu_has_avx512()) kernels() = SLUICE_KERNELS(isa_avx512);
+  else if (name == "avx2" && cpu_has_avx2()) kernels() = SLUICE_KERNELS(isa_avx2);
+  else if (name == "base") kernels() = SLUICE_KERNELS(isa_base);
+  else TORCH_CHECK(false, "instruction set not available here: ", name);
+  return kernels().name;
+}
+
+std::string isa() { return kernels().name; }
+
+void check_f32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), what, " must be a contiguous float32 tensor");
+}
+
+void check_f16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), what, " must be a contiguous float16 tensor");
+}
+
+const unsigned short* half_bits(const at::Tensor& t) { return (const unsigned short*)t.data_ptr<at::Half>(); }
+
+// A Q4_1 linear in the tile layout of kernels.inc; bias optional (empty tensor).
+struct Q4Linear {
+  at::Tensor qs, scale, minv, bias;
+  int K = 0, N = 0;
+
+  Q4Linear() = default;
+  Q4Linear(at::Tensor qs_, at::Tensor scale_, at::Tensor minv_, at::Tensor bias_, int K_, int N_)
+      : qs(qs_), scale(scale_), minv(minv_), bias(bias_), K(K_), N(N_) {
+    const int tiles = (N + 15) / 16;
+    TORCH_CHECK(K % 32 == 0 && K > 0, "Q4 linear: K must be a positive multiple of 32");
+    TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 8,
+                "Q4 linear: bad qs");
+    check_f16(scale, "scale");
+    check_f16(minv, "minv");
+    TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16 && minv.numel() == scale.numel(),
+                "Q4 linear: bad scales");
+    if (bias.defined() && bias.numel()) {
+      check_f32(bias, "bias");
+      TORCH_CHECK(bias.numel() == N, "Q4 linear: bad bias");
+    }
+  }
+
+  // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised to int16 once.
+  void run(const float* x, long ldx, int M, float* y, long ldy) const {
+    const int tiles = (N + 15) / 16, G = K / 32;
+    const Kernels& kern = kernels();
+    std::vector<short> xq((size_t)M * K);
+    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++)
+        kern.quantize_q16(x + r * ldx, K, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+    });
+    const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
+    const unsigned char* q = qs.data_ptr<unsigned char>();
+    const unsigned short *s = half_bits(scale), *m = half_bits(minv);
+    const int k = K, n = N;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      kern.q4_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+    });
+  }
+};
+
+struct Q8Matrix {
+  at::Tensor qs, scale;
+  int K = 0, N = 0;
+
+  Q8Matrix() = default;
+  Q8Matrix(at::Tensor qs_, at::Tensor scale_, int K_, int N_) : qs(qs_), scale(scale_), K(K_), N(N_) {
+    const int tiles = (N + 15) / 16;
+    TORCH_CHECK(K % 32 == 0 && K > 0, "Q8 matrix: K must be a positive multiple of 32");
+    TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 16,
+                "Q8 matrix: bad qs");
+    check_f16(scale, "scale");
+    TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16, "Q8 matrix: bad scales");
+  }
+
+  void run(const float* x, long ldx, int M, float* y, long ldy) const {
+    const int tiles = (N + 15) / 16, G = K / 32;
+    const Kernels& kern = kernels();
+    std::vector<short> xq((size_t)M * K);
+    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
+    for (int r = 0; r < M; r++)
+      kern.quantize_q16(x + r * ldx, K, xq.data() + (size_t)r * K, sx.data() + (size_t)r * G, xsum.data() + (size_t)r * G);
+    const signed char* q = qs.data_ptr<signed char>();
+    const unsigned short* s = half_bits(scale);
+    const int k = K, n = N;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      kern.q8_gemm(q, s, k, n, xq.data(), sx.data(), M, y, ldy, (int)t0, (int)t1);
+    });
+  }
+
+  // row `n` dequantised into out[K]
+  void row(int64_t n, float* out) const {
+    const signed char* q = qs.data_ptr<signed char>() + (n / 16) * (int64_t)K * 16 + (n % 16) * 2;
+    const at::Half* s = scale.data_ptr<at::Half>() + (n / 16) * (int64_t)(K / 32) * 16 + n % 16;
+    for (int k = 0; k < K; k++) out[k] = (float)q[(int64_t)(k / 2) * 32 + k % 2] * (float)s[(k / 32) * 16];
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Q4Linear qkv, o, gate_up, down;
+};
+
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int M = x.size(0), K = x.size(1);
+  Q4Linear w(qs, scale, minv, bias, K, N);
+  at::Tensor y = at::empty({M, (int64_t)N}, x.options());
+  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N);
+  return y;
+}
+
+at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, int64_t N) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int M = x.size(0), K = x.size(1);
+  Q8Matrix w(qs, scale, K, N);
+  at::Tensor y = at::empty({M, (int64_t)N}, x.options());
+  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N);
+  return y;
+}
+
+class NativeLlama {
+ public:
+  NativeLlama(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              double eps, int64_t vocab, at::Tensor embed_qs, at::Tensor embed_scale, at::Tensor head_qs,
+              at::Tensor head_scale, at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
+      : H_(hidden), I_(intermediate), heads_(num_heads), kv_heads_(num_kv_heads), D_(head_dim), eps_(eps),
+        vocab_(vocab), embed_(embed_qs, embed_scale, hidden, vocab), head_(head_qs, head_scale, hidden, vocab),
+        final_norm_(final_norm), cos_(cos), sin_(sin) {
+    TORCH_CHECK(H_ % 32 == 0 && I_ % 32 == 0 && (D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128),
+                "unsupported model shape");
+    TORCH_CHECK(heads_ % kv_heads_ == 0, "unsupported head grouping");
+    check_f32(final_norm_, "final_norm");
+    check_f32(cos_, "cos");
+    check_f32(sin_, "sin");
+    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == D_ && sin_.sizes() == cos_.sizes(), "bad rope tables");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
+                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down) {
+    check_f32(input_norm, "input_norm");
+    check_f32(post_norm, "post_norm");
+    const int qkv_n = (heads_ + 2 * kv_heads_) * D_;
+    layers_.push_back(Layer{input_norm, post_norm, Q4Linear(qkv[0], qkv[1], qkv[2], qkv[3], H_, qkv_n),
+                            Q4Linear(o[0], o[1], o[2], o[3], heads_ * D_, H_),
+                            Q4Linear(gate_up[0], gate_up[1], gate_up[2], gate_up[3], H_, 2 * I_),
+                            Q4Linear(down[0], down[1], down[2], down[3], I_, H_)});
+  }
+
+  void set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V cache per layer");
+    const auto dtype = k[0].scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "KV cache must be float32 or bfloat16");
+    for (size_t i = 0; i < k.size(); i++) {
+      for (const auto& c : {k[i], v[i]}) {
+        TORCH_CHECK(c.scalar_type() == dtype && c.is_contiguous() && c.dim() == 4, "bad KV cache tensor");
+        TORCH_CHECK(c.size(0) == kv_heads_ && c.size(3) == D_ && c.sizes() == k[0].sizes(), "bad KV cache shape");
+      }
+    }
+    k_ = k;
+    v_ = v;
+    num_blocks_ = k[0].size(1);
+    block_size_ = k[0].size(2);
+    kv_bf16_ = dtype == at::kBFloat16;
+  }
+
+  // ids, positions, slots: [T] int64; row_seq: [T] int32 row of block_tables ([S, max_blocks] int32) that
+  // holds each token's sequence. Writes every token's K/V into the cache, then each token attends to positions
+  // 0 .. its own of its sequence. Returns the hidden states before the final norm, [T, hidden] float32.
+  at::Tensor forward(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor row_seq,
+                     at::Tensor block_tables) {
+    TORCH_CHECK(!k_.empty(), "set_kv_caches first");
+    const int64_t T = ids.numel();
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                    slots.scalar_type() == at::kLong && row_seq.scalar_type() == at::kInt &&
+                    block_tables.scalar_type() == at::kInt,
+                "forward: dtypes are int64 ids/positions/slots, int32 row_seq/block_tables");
+    TORCH_CHECK(ids.is_contiguous() && positions.is_contiguous() && slots.is_contiguous() &&
+                    row_seq.is_contiguous() && block_tables.is_contiguous() && block_tables.dim() == 2,
+                "forward: contiguous inputs");
+    TORCH_CHECK(positions.numel() == T && slots.numel() == T && row_seq.numel() == T, "forward: lengths differ");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int* seq = row_seq.data_ptr<int>();
+    const int* tables = block_tables.data_ptr<int>();
+    const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+    for (int64_t i = 0; i < T; i++) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < vocab_, "token id out of range");
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_.size(0), "position out of range");
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < num_blocks_ * block_size_, "slot out of range");
+      TORCH_CHECK(seq[i] >= 0 && seq[i] < num_seqs, "row_seq out of range");
+      TORCH_CHECK(pos[i] / block_size_ < max_blocks, "block table too short");
+    }
+    for (int64_t i = 0; i < block_tables.numel(); i++)
+      TORCH_CHECK(tables[i] >= 0 && tables[i] < num_blocks_, "block id out of range");
+
+    const Kernels& kern = kernels();
+    const int H = H_, I = I_, D = D_, QKV = (heads_ + 2 * kv_heads_) * D_, G = heads_ / kv_heads_;
+    at::Tensor hidden = at::empty({T, (int64_t)H}, at::kFloat);
+    float* h = hidden.data_ptr<float>();
+    std::vector<float> xn((size_t)T * std::max(H, heads_ * D)), qkv((size_t)T * QKV),
+        attn((size_t)T * heads_ * D), out((size_t)T * H), gu((size_t)T * 2 * I), act((size_t)T * I);
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < T; i++) max_len = std::max(max_len, pos[i] + 1);
+    const int Lp = (int)((max_len + 15) / 16 * 16);
+
+    for (int64_t i = 0; i < T; i++) embed_.row(id[i], h + i * H);
+    const float* cos = cos_.data_ptr<float>();
+    const float* sin = sin_.data_ptr<float>();
+    const float scale = 1.0f / std::sqrt((float)D);
+    const int64_t head_stride = num_blocks_ * block_size_ * D;
+
+    for (size_t l = 0; l < layers_.size(); l++) {
+      const Layer& layer = layers_[l];
+      const float* pending = l == 0 ? nullptr : out.data();  // the previous layer's MLP output, not yet added
+      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t i = r0; i < r1; i++)
+          kern.add_rmsnorm(h + i * H, pending ? pending + i * H : nullptr, layer.input_norm.data_ptr<float>(),
+                           eps_, H, xn.data() + i * H, nullptr);
+      });
+      layer.qkv.run(xn.data(), H, (int)T, qkv.data(), QKV);
+      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t i = r0; i < r1; i++) {
+          float* row = qkv.data() + i * QKV;
+          kern.rope(row, heads_ + kv_heads_, D, cos + pos[i] * D, sin + pos[i] * D);
+          for (int kh = 0; kh < kv_heads_; kh++) {
+            const float* kr = row + (heads_ + kh) * D;
+            const float* vr = row + (heads_ + kv_heads_ + kh) * D;
+            const int64_t off = kh * head_stride + slot[i] * D;
+            if (kv_bf16_) {
+              kern.store_k_bf16(kr, (unsigned short*)k_[l].data_ptr() + off, D);
+              kern.store_k_bf16(vr, (unsigned short*)v_[l].data_ptr() + off, D);
+            } else {
+              kern.store_k_f32(kr, k_[l].data_ptr<float>() + off, D);
+              kern.store_k_f32(vr, v_[l].data_ptr<float>() + off, D);
+            }
+          }
+        }
+      });
+      // one task per (token, query head)
+      at::parallel_for(0, T * heads_, 1, [&](int64_t w0, int64_t w1) {
+        thread_local std::vector<float> scores;
+        if ((int64_t)scores.size() < Lp) scores.resize(Lp);
+        for (int64_t w = w0; w < w1; w++) {
+          const int64_t i = w / heads_;
+          const int head = (int)(w % heads_), kh = head / G;
+          const float* q = qkv.data() + i * QKV + head * D;
+          const int* table = tables + (int64_t)seq[i] * max_blocks;
+          float* o = attn.data() + i * heads_ * D + head * D;
+          const int L = (int)(pos[i] + 1);
+          if (kv_bf16_) {
+            const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
+            const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
+            kern.attend_bf16(q, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
+          } else {
+            const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
+            const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
+            kern.attend_f32(q, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
+          }
+        }
+      });
+      const int AD = heads_ * D;
+      layer.o.run(attn.data(), AD, (int)T, out.data(), H);
+      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t i = r0; i < r1; i++)
+          kern.add_rmsnorm(h + i * H, out.data() + i * H, layer.post_norm.data_ptr<float>(), eps_, H,
+                           xn.data() + i * H, nullptr);
+      });
+      layer.gate_up.run(xn.data(), H, (int)T, gu.data(), 2 * I);
+      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t i = r0; i < r1; i++) {
+          kern.silu_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
+        }
+      });
+      layer.down.run(act.data(), I, (int)T, out.data(), H);
+    }
+    for (int64_t i = 0; i < (int64_t)T * H; i++) h[i] += out[i];
+    return hidden;
+  }
+
+  // [N, hidden] hidden states (before the final norm) -> [N, vocab] float32 logits.
+  at::Tensor logits(at::Tensor hidden) {
+    check_f32(hidden, "hidden");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H_, "hidden must be [N, hidden]");
+    const int64_t N = hidden.size(0);
+    std::vector<float> h(hidden.data_ptr<float>(), hidden.data_ptr<float>() + N * H_), xn((size_t)N * H_);
+    for (int64_t i = 0; i < N; i++)
+      kernels().add_rmsnorm(h.data() + i * H_, nullptr, final_norm_.data_ptr<float>(), eps_, H_, xn.data() + i * H_,
+                            nullptr);
+    at::Tensor out = at::empty({N, vocab_}, at::kFloat);
+    head_.run(xn.data(), H_, (int)N, out.data_ptr<float>(), vocab_);
+    return out;
+  }
+
+ private:
+  int H_, I_, heads_, kv_heads_, D_;
+  float eps_;
+  int64_t vocab_;
+  Q8Matrix embed_, head_;
+  at::Tensor final_norm_, cos_, sin_;
+  std::vector<Layer> layers_;
+  std::vector<at::Tensor> k_, v_;
+  int64_t num_blocks_ = 0, block_size_ = 0;
+  bool kv_bf16_ = false;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("isa", &isa);
+  m.def("set_isa", &set_isa);
+  m.def("q4_linear", &q4_linear, release());
+  m.def("q8_linear", &q8_linear, release());
+  py::class_<NativeLlama>(m, "NativeLlama")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+      .def("add_layer", &NativeLlama::add_layer)
+      .def("set_kv_caches", &NativeLlama::set_kv_caches)
+      .def("forward", &NativeLlama::forward, release())
+      .def("logits", &NativeLlama::logits, release());
+}

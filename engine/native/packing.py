@@ -1,0 +1,135 @@
+"""Weights in the native kernels' tile layouts (see csrc/kernels.inc): Q4_1 for the layers' linears, Q8_0 for the
+token embedding and lm_head. Both quantisers reproduce a GGUF file's grid exactly when the float weights came
+from one (Q4_1: every group holds its minimum at q = 0 and its maximum at q = 15; Q8_0: its absolute maximum
+at |q| = 127), so the native model computes with the file's own values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # weights per scale along K
+TILE = 16  # output rows per tile
+
+
+@dataclass
+class Q4Packed:
+    qs: torch.Tensor  # uint8 [N/16 * K/8 * 16 * 4]: per tile, per octet of K, per row a uint32 of 8 nibbles
+    scale: torch.Tensor  # float16 [N/16 * K/32 * 16]
+    minv: torch.Tensor  # float16, same shape
+    bias: torch.Tensor  # float32 [N], or empty
+    n: int
+
+
+@dataclass
+class Q8Packed:
+    qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2]: per tile, per column pair, per row the pair
+    scale: torch.Tensor  # float16 [N/16 * K/32 * 16]
+    n: int
+
+
+_HALF_TINY = 2.0**-24  # the smallest positive float16
+
+
+def _half(x: torch.Tensor) -> torch.Tensor:
+    """Scales and minimums are float16, as a GGUF stores them (Q4_1's d and m, Q8_0's d): rounding to float16
+    gives a GGUF's own values back exactly, and the kernels read 2 bytes per group instead of 4."""
+    return x.clamp(-65504, 65504).half().float()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[Np, X] -> [Np/16, X, 16] flattened: row j of a tile becomes lane j."""
+    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous().view(-1)
+
+
+def q4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/32], minimum [N, K/32]); w ~ q * scale + minimum.
+    The same grid as Linear.quantize_int4."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = _half(((hi - lo) / 15).clamp_min(_HALF_TINY))
+    lo = _half(lo)
+    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale, lo
+
+
+def q8_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (q int32 [N, K] in -127..127, scale [N, K/32]); w ~ q * scale."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    scale = _half((groups.abs().amax(-1) / 127).clamp_min(_HALF_TINY))
+    q = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int32).view(n, k)
+    return q, scale
+
+
+def pack_q4(w: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
+    n, k = w.shape
+    q, scale, lo = q4_grid(w)
+    padded = -(-n // TILE) * TILE
+    q, scale, lo = _pad_rows(q, padded), _pad_rows(scale, padded), _pad_rows(lo, padded)
+    # per octet of K a uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i (i = 0..3)
+    q8 = q.to(torch.int64).view(-1, k // 8, 8)
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)
+    words = (q8 << shifts).sum(-1)  # [Np, K/8]
+    octet_bytes = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+    octets = octet_bytes.view(-1, TILE, k // 8, 4).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/8, 16, 4]
+    empty = torch.empty(0, dtype=torch.float32)
+    return Q4Packed(
+        octets, _tiles(scale.half()), _tiles(lo.half()), empty if bias is None else bias.float().contiguous(), n
+    )
+
+
+def pack_q8(w: torch.Tensor) -> Q8Packed:
+    n, _ = w.shape
+    q, scale = q8_grid(w)
+    padded = -(-n // TILE) * TILE
+    q, scale = _pad_rows(q, padded), _pad_rows(scale, padded)
+    k = q.shape[1]
+    pairs = q.to(torch.int8).view(-1, TILE, k // 2, 2).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/2, 16, 2]
+    return Q8Packed(pairs, _tiles(scale.half()), n)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The activations the Q4 kernel multiplies with: each row's groups of 32 rounded to int16 steps of
+    max|x| / 32767 (as float [M, K]; the kernel adds the exact group sums of x for the minimums' term)."""
+    m, k = x.shape
+    groups = x.float().view(m, k // GROUP, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (`127.0 / tensor` multiplies by a reciprocal: ties round differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / 32767)).view(m, k)
+
+
+def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the Q8 kernel computes for x [M, K] and the float weight w [N, K], in float64."""
+    return quantize_activations(x).double() @ dequantize_q8(w).double().T
+
+
+def q4_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the Q4 kernel computes for x [M, K] and the float weight w [N, K], in float64 (without bias)."""
+    q, scale, lo = q4_grid(w)
+    n, k = w.shape
+    xq = quantize_activations(x).double().view(x.shape[0], -1, GROUP)
+    xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, G]
+    dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP))  # [M, N, G]
+    return (dots * scale.double()[None]).sum(-1) + xsum @ lo.double().T
+
+
+def dequantize_q4(w: torch.Tensor) -> torch.Tensor:
+    """The values the native kernels compute with, as a float [N, K] matrix (for tests and references)."""
+    q, scale, lo = q4_grid(w)
+    n, k = w.shape
+    return (q.view(n, -1, GROUP).float() * scale[..., None] + lo[..., None]).view(n, k)
+
+
+def dequantize_q8(w: torch.Tensor) -> torch.Tensor:
+    q, scale = q8_grid(w)
+    n, k = w.shape
+    return (q.view(n, -1, GROUP).float() * scale[..., None]).view(n, k)
