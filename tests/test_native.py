@@ -96,14 +96,18 @@ def test_quantisers_reproduce_a_grid_exactly() -> None:
     torch.testing.assert_close(dequantize_q8(on_q8), on_q8, atol=0, rtol=2e-7)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-3), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("cache_dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
 def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes(
-    grid_llama_dir: Path, dtype: str, tolerance: float
+    grid_llama_dir: Path, cache_dtype: torch.dtype, tolerance: float
 ) -> None:
-    config = EngineConfig(model=str(grid_llama_dir), dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=96)
+    config = EngineConfig(model=str(grid_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=96)
     sampler = RecordingSampler()
     runner = ModelRunner(load_model(config), config, sampler=sampler)
     assert runner.native is not None
+    if cache_dtype != runner.dtype:  # the kernels read either; the engine allocates its dtype's (bfloat16)
+        for cache in runner.kv_caches:
+            cache.k, cache.v = cache.k.to(cache_dtype), cache.v.to(cache_dtype)
+        runner.native.set_kv_caches([c.k for c in runner.kv_caches], [c.v for c in runner.kv_caches])
     reference = AutoModelForCausalLM.from_pretrained(grid_llama_dir, dtype=torch.float32).eval()
 
     rng = random.Random(0)

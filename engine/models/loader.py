@@ -210,10 +210,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def _native_ops_for(cls: type, config: EngineConfig) -> Any:
-    """The native extension if this model class in this config runs on it (quantize "auto", Llama family)."""
+    """The native extension if this model class in this config runs on it: a Llama-family model with quantize
+    "auto" and dtype "bfloat16" (the defaults; where the eager path used int4 copies). float32 stays the exact
+    dense reference."""
     from engine.models.llama import LlamaForCausalLM
 
-    if config.quantize != "auto" or not issubclass(cls, LlamaForCausalLM):
+    if config.quantize != "auto" or config.dtype != "bfloat16" or not issubclass(cls, LlamaForCausalLM):
         return None
     from engine.native import native_ops
 
