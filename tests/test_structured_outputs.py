@@ -142,10 +142,13 @@ def test_the_mask_leaves_only_what_the_grammar_allows(llm):
     vocab = compiler.vocab_size
     rows = [SamplingRow(1.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, None, None, 0, [], [], matcher=m) for m in (None, matcher)]
     logits = torch.zeros(2, vocab)
-    GrammarMasker(1).apply_(logits, rows)
+    logits[1, 0] = float("inf")  # a forbidden token at +inf (or NaN) still loses
+    logits[1, 1] = float("nan")
+    GrammarMasker().apply_(logits, rows)
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     tokenizer = llm.tokenizer
     assert allowed and all(any(w.startswith(tokenizer.decode([t])) for w in ("Hello", "world")) for t in allowed)
+    assert logits[1, 0] == float("-inf") and logits[1, 1] == float("-inf")
     assert torch.isfinite(logits[0]).all()
 
 
