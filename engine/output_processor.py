@@ -73,7 +73,8 @@ class OutputProcessor:
 
 
 class GrammarViolation(RuntimeError):
-    """A sampled token the grammar does not allow: the mask was not applied. A bug; it fails the request."""
+    """The matcher refused a sampled token: a mask that was not applied (a bug), or a grammar that outgrew
+    llguidance's limits mid-output. Either way it fails that request alone."""
 
 
 def _advance_grammar(matcher: Any, token_id: int) -> bool:

@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine_helpers import assert_pool_full, make_llm  # noqa: E402
 from tiny_models import save_tiny_gpt2, save_tiny_llama  # noqa: E402
 
 
@@ -26,3 +27,18 @@ def default_llm():
     from engine import LLM
 
     return LLM("", dtype="float32", quantize="none", num_kv_blocks=512, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    """A small float32 engine on the tiny Llama, one per test module."""
+    return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(autouse=True)
+def pool_returns_to_full(request):
+    """After every test that used an engine: nothing left unfinished, every KV block back in the pool."""
+    yield
+    for name in ("llm", "default_llm"):
+        if name in request.fixturenames:
+            assert_pool_full(request.getfixturevalue(name))

@@ -9,19 +9,6 @@ from engine import SamplingParams
 from engine.errors import InvalidRequest
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
-
-
-@pytest.fixture(autouse=True)
-def pool_returns_to_full(request):
-    yield
-    for name in ("llm", "default_llm"):
-        if name in request.fixturenames:
-            assert_pool_full(request.getfixturevalue(name))
-
-
 def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     other = SamplingParams(max_tokens=16, temperature=1.2, ignore_eos=True)

@@ -4,23 +4,11 @@ and logprobs stay those of the model's own distribution."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_pool_full, make_llm
 
 from engine import SamplingParams
 from engine.errors import InvalidRequest
 
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
-
-
-@pytest.fixture(autouse=True)
-def pool_returns_to_full(llm):
-    yield
-    assert_pool_full(llm)
 
 
 def generate(llm, **kwargs):

@@ -15,18 +15,6 @@ PROMPT = list(range(10, 40))  # 30 tokens: 7 full blocks of 4 shared, the 8th (2
 SEEDED = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
-
-
-@pytest.fixture(autouse=True)
-def pool_returns_to_full(request):
-    yield
-    if "llm" in request.fixturenames:
-        assert_pool_full(request.getfixturevalue("llm"))
-
-
 def choice_tokens(result) -> list[list[int]]:
     return [choice.token_ids for choice in result.outputs]
 

@@ -29,18 +29,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return make_llm(tiny_llama_dir)
-
-
-@pytest.fixture(autouse=True)
-def pool_returns_to_full(request):
-    yield
-    if "llm" in request.fixturenames:
-        assert_pool_full(request.getfixturevalue("llm"))
-
-
 def constrained(max_tokens: int = 80, temperature: float = 1.0, seed: int | None = 7, **kind) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                           structured_outputs=StructuredOutputs(**kind))  # fmt: skip
