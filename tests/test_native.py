@@ -245,3 +245,42 @@ def test_a_failed_build_warns_and_never_fails_the_install(monkeypatch, tmp_path:
     assert build.main() == 0
     assert "did not build" in capsys.readouterr().err
     assert list(tmp_path.glob("*.so")) == []
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path, isa: str) -> None:
+    """The attention of a token does not depend on the batch: alone, its query heads are spread over the
+    threads one by one; in a batch, the heads of one KV head share the loads. Blocks of 5 tokens, scattered, so
+    that runs of four keys cross block boundaries."""
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    block_size, num_seqs = 5, 9
+    config = EngineConfig(model=str(grid_llama_dir), block_size=block_size, num_kv_blocks=128)
+    native = ModelRunner(load_model(config), config).native
+    order = random.Random(0).sample(range(128), 128)
+    lengths = [23 + 5 * s for s in range(num_seqs)]  # the decode token of the last lands at position 63
+    tables = [order[s * 14 : (s + 1) * 14] for s in range(num_seqs)]  # 14 blocks: 70 positions each
+
+    def step(seqs: list[int], start: dict[int, int], count: dict[int, int]) -> torch.Tensor:
+        ids, pos, slots, rows = [], [], [], []
+        for row, s in enumerate(seqs):
+            for p in range(start[s], start[s] + count[s]):
+                ids.append(1 + (p * 31 + s * 7) % 200)
+                pos.append(p)
+                slots.append(tables[s][p // block_size] * block_size + p % block_size)
+                rows.append(row)
+        return native.forward(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+                              torch.tensor(rows, dtype=torch.int32),
+                              torch.tensor([tables[s] for s in seqs], dtype=torch.int32))  # fmt: skip
+
+    ops.set_isa(isa)
+    try:
+        everyone = list(range(num_seqs))
+        step(everyone, {s: 0 for s in everyone}, {s: lengths[s] for s in everyone})  # prefill every prompt
+        decode = ({s: lengths[s] for s in everyone}, {s: 1 for s in everyone})
+        batched = step(everyone, *decode)
+        for s in everyone:
+            alone = step([s], *decode)
+            assert torch.equal(alone[0], batched[s]), f"sequence {s}"
+    finally:
+        ops.set_isa("best")

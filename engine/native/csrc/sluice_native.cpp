@@ -31,7 +31,14 @@ inline vu load_u16x16(const unsigned short* p) {
 }
 inline void store_u16x16(unsigned short* p, vu v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vf load_f16x16(const unsigned short* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-inline vi dot2(vi acc, vi w, vi x) { return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
+// The pair is broadcast inside the instruction ({1to16}): one micro-op fewer per dot product than a separate load.
+inline vi dot2_bcast(vi acc, vi w, const short* x) {
+  __m512i a = (__m512i)acc;
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a) : "v"((__m512i)w), "m"(*(const int*)x));
+  return (vi)a;
+}
+inline vi round_to_int(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
+inline void store_s16x16(short* p, vi v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vi load_s8x32_as_s16(const signed char* p) {
   return (vi)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
 }
@@ -83,6 +90,21 @@ inline vi dot2(vi acc, vi w, vi x) {
                                   (__m256i)__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
   return join((__m256i)lo, (__m256i)hi);
 }
+inline vi dot2_bcast(vi acc, vi w, const short* x) {
+  int pair;
+  __builtin_memcpy(&pair, x, 4);
+  return dot2(acc, w, (vi){} + pair);
+}
+inline vi round_to_int(vf v) {
+  vf8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return join(_mm256_cvtps_epi32((__m256)lo), _mm256_cvtps_epi32((__m256)hi));
+}
+inline void store_s16x16(short* p, vi v) {
+  vi8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vi8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m256i packed = _mm256_packs_epi32((__m256i)lo, (__m256i)hi);  // lanes in 128-bit halves: reorder
+  _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -124,6 +146,19 @@ inline vi dot2(vi acc, vi w, vi x) {
     acc[i] += (int)(short)(wi & 0xFFFF) * (int)(short)(xi & 0xFFFF) + (int)(short)(wi >> 16) * (int)(short)(xi >> 16);
   }
   return acc;
+}
+inline vi dot2_bcast(vi acc, vi w, const short* x) {
+  int pair;
+  __builtin_memcpy(&pair, x, 4);
+  return dot2(acc, w, (vi){} + pair);
+}
+inline vi round_to_int(vf v) {
+  vi r;
+  for (int i = 0; i < 16; i++) r[i] = (int)__builtin_lrintf(v[i]);
+  return r;
+}
+inline void store_s16x16(short* p, vi v) {
+  for (int i = 0; i < 16; i++) p[i] = (short)v[i];
 }
 }  // namespace
 #include "kernels.inc"
@@ -420,13 +455,16 @@ class NativeLlama {
           }
         }
       });
-      // one task per (token, query head)
-      at::parallel_for(0, T * heads_, 1, [&](int64_t w0, int64_t w1) {
+      // One task per (token, KV head): its G query heads share the K/V loads. With few such tasks (a decode of one
+      // or two streams), one task per (token, query head) instead, so both cores work; each head's arithmetic
+      // is the same either way.
+      const int per_task = T * kv_heads_ >= 4 * at::get_num_threads() ? G : 1;
+      at::parallel_for(0, T * heads_ / per_task, 1, [&](int64_t w0, int64_t w1) {
         thread_local std::vector<float> scores;
-        if ((int64_t)scores.size() < Lp) scores.resize(Lp);
+        if ((int64_t)scores.size() < 3 * Lp) scores.resize(3 * Lp);
         for (int64_t w = w0; w < w1; w++) {
-          const int64_t i = w / heads_;
-          const int head = (int)(w % heads_), kh = head / G;
+          const int64_t i = w * per_task / heads_;
+          const int head = (int)(w * per_task % heads_), kh = head / G;
           const float* q = qkv.data() + i * QKV + head * D;
           const int* table = tables + (int64_t)seq[i] * max_blocks;
           float* o = attn.data() + i * heads_ * D + head * D;
@@ -434,11 +472,11 @@ class NativeLlama {
           if (kv_bf16_) {
             const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
             const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
+            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
           } else {
             const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
             const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
+            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
           }
         }
       });
