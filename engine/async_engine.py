@@ -2,9 +2,11 @@
 watchdog, per-request output streams, drain.
 
 Request state in this shell lives in two maps: `_streams` (every accepted, unfinished request) and `_pending`
-(the accepted requests not yet handed to the scheduler, bounded by max_pending). Everything except run(),
-drain() and prepare_*() is synchronous, so the HTTP handlers that call submit() and abort() never wait on the
-engine. Only the event-loop thread touches engine state; the forward pass runs in one worker thread at a time.
+(the accepted requests not yet handed to the scheduler). max_pending bounds those together with the requests
+still being prepared: reserve() takes their slots (or raises QueueFull, a 429) before any tokenizing, so a
+burst is answered at once and never queues unbounded in front of the tokenizer. Everything except run(),
+drain() and prepare_*() is synchronous, so the HTTP handlers that call reserve(), submit() and abort() never
+wait on the engine. Only the event-loop thread touches engine state; the forward pass runs in one worker thread at a time.
 """
 
 from __future__ import annotations
@@ -68,6 +70,33 @@ class _Abandoned(Exception):
     """The forward pass was left running in its thread: the engine must not be touched again."""
 
 
+class Reservation:
+    """Admission slots held while requests are prepared: submit() spends one, and leaving the `with` block
+    gives back the unspent ones (a bad request, a client that left)."""
+
+    def __init__(self, engine: AsyncEngine, num_slots: int) -> None:
+        self._engine = engine
+        self.num_held = num_slots
+
+    def submit(self, request: PreparedRequest) -> RequestStream:
+        if self.num_held <= 0:
+            raise RuntimeError("every reserved slot is spent")
+        stream = self._engine._enqueue(request)
+        self.num_held -= 1
+        self._engine._num_reserved -= 1
+        return stream
+
+    def release(self) -> None:
+        self._engine._num_reserved -= self.num_held
+        self.num_held = 0
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     state: str
@@ -100,6 +129,7 @@ class AsyncEngine:
         self._on_forward_abandoned = on_forward_abandoned
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, RequestStream] = {}  # insertion order is admission order
+        self._num_reserved = 0  # admission slots held by requests still being prepared
         self._aborts: set[str] = set()  # admitted requests whose streams ended: freed by the loop between steps
         self._wakeup = anyio.Event()
         self._stop_requested = False
@@ -135,12 +165,12 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         engine = self._engine
         if engine is None or self._state in (EngineState.DEAD, EngineState.STALLED):
-            return EngineStats(self._state.value, 0, 0, len(self._pending), 0, 0, 0.0)
+            return EngineStats(self._state.value, 0, 0, len(self._pending) + self._num_reserved, 0, 0, 0.0)
         return EngineStats(
             state=self._state.value,
             waiting=engine.num_waiting,
             running=engine.num_running,
-            pending=len(self._pending),
+            pending=len(self._pending) + self._num_reserved,
             free_kv_blocks=engine.num_free_blocks,
             total_kv_blocks=engine.num_total_blocks,
             prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
@@ -170,13 +200,24 @@ class AsyncEngine:
         processor = self._ready_engine().input_processor
         return await self._off_loop(partial(processor.decode, token_ids))
 
+    def reserve(self, num_requests: int = 1) -> Reservation:
+        """Hold admission slots for requests about to be prepared. QueueFull: 429; EngineUnavailable: 503."""
+        self._ready_engine()
+        num_waiting = len(self._pending) + self._num_reserved
+        if num_waiting + num_requests > self.max_pending:
+            raise QueueFull(f"{num_waiting} requests are already waiting for admission")
+        self._num_reserved += num_requests
+        return Reservation(self, num_requests)
+
     def submit(self, request: PreparedRequest) -> RequestStream:
-        """Queue a prepared request. QueueFull: 429; EngineUnavailable: 503."""
+        """Queue a prepared request: reserve(1) and submit at once. QueueFull: 429; EngineUnavailable: 503."""
+        with self.reserve(1) as reservation:
+            return reservation.submit(request)
+
+    def _enqueue(self, request: PreparedRequest) -> RequestStream:
         self._ready_engine()
         if request.request_id in self._streams:
             raise InvalidRequest(f"request id {request.request_id!r} is already in use")
-        if len(self._pending) >= self.max_pending:
-            raise QueueFull(f"{len(self._pending)} requests are already waiting for admission")
         stream = RequestStream(request)
         self._streams[request.request_id] = self._pending[request.request_id] = stream
         self._wakeup.set()

@@ -121,6 +121,31 @@ async def test_queue_full_when_the_scheduler_has_no_room(make_engine) -> None:
             assert (await collect(stream))[-1].finish_reason == "length"
 
 
+async def test_slots_are_reserved_before_preparation_and_given_back_unspent(make_engine) -> None:
+    """The 429 is decided before any tokenizing: requests being prepared hold their slots, and a request that
+    fails its checks (or whose client leaves) returns its unspent ones."""
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
+    async with running(engine, max_pending=3) as async_engine:
+        with async_engine.reserve(2) as reservation:
+            assert async_engine.stats().pending == 2
+            with pytest.raises(QueueFull):
+                async_engine.reserve(2)
+            with async_engine.reserve(1):
+                with pytest.raises(QueueFull):
+                    async_engine.reserve(1)
+            stream = reservation.submit(prepared(engine, "a", "Hello", max_tokens=2, **GREEDY))
+            with pytest.raises(InvalidRequest):  # a duplicate id spends nothing
+                reservation.submit(prepared(engine, "a", "Hello", max_tokens=2, **GREEDY))
+            assert reservation.num_held == 1
+        assert (await collect(stream))[-1].finish_reason == "length"
+        assert async_engine.stats().pending == 0
+        with async_engine.reserve(3):
+            pass  # every slot is back
+        await async_engine.drain(timeout=5)
+        with pytest.raises(EngineUnavailable):
+            async_engine.reserve(1)
+
+
 async def test_a_queued_abort_frees_its_admission_slot_at_once(make_engine) -> None:
     engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
     slow_steps(engine, 0.01)

@@ -12,7 +12,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Response, current_app, request
 
-from engine.async_engine import EngineState, QueueFull
+from engine.async_engine import EngineState, QueueFull, Reservation
 from engine.input_processor import PreparedRequest
 from engine.outputs import FinishReason
 from engine.request_stream import RequestStream
@@ -43,8 +43,9 @@ async def chat_completions() -> Response:
         params = replace(params, structured_outputs=plan.structured_outputs)
     if plan.syntax is not None:
         fmt.read_tool_calls(plan.syntax)
-    prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **plan.template_kwargs)
-    return await generate(s, entry, fmt, prepared, bool(body.stream))
+    with admit(s, entry, 1) as reservation:
+        prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **plan.template_kwargs)
+        return await generate(s, reservation, fmt, prepared, bool(body.stream))
 
 
 @blueprint.post("/v1/completions")
@@ -58,15 +59,17 @@ async def completions() -> Response:
         raise APIError(400, f"{len(prompts)} prompts: at most max_pending ({s.config.max_pending}) per request",
                        param="prompt")  # fmt: skip
     params = body.to_sampling_params()
-    if len(prompts) == 1 and not body.echo:
-        prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
-        return await generate(s, entry, fmt, prepared, bool(body.stream))
-    batch = [await s.engine.prepare_prompt(f"{fmt.id}-{i}", p, params) for i, p in enumerate(prompts)]
-    echoes = None
-    if body.echo:
-        texts = [p if isinstance(p, str) else await s.engine.decode(p) for p in prompts]
-        echoes = [EchoedPrompt(text, r.prompt_token_ids) for text, r in zip(texts, batch)]
-    return json_response(fmt.batch_response(await generate_batch(s, entry, batch), echoes))
+    with admit(s, entry, len(prompts)) as reservation:
+        if len(prompts) == 1 and not body.echo:
+            prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
+            return await generate(s, reservation, fmt, prepared, bool(body.stream))
+        batch = [await s.engine.prepare_prompt(f"{fmt.id}-{i}", p, params) for i, p in enumerate(prompts)]
+        echoes = None
+        if body.echo:
+            texts = [p if isinstance(p, str) else await s.engine.decode(p) for p in prompts]
+            echoes = [EchoedPrompt(text, r.prompt_token_ids) for text, r in zip(texts, batch)]
+        results = await generate_batch(s, reservation, batch)
+    return json_response(fmt.batch_response(results, echoes))
 
 
 @blueprint.get("/v1/models")
@@ -131,8 +134,10 @@ def parse_json(data: bytes) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
 
 
-async def generate(s: Services, entry: float, fmt: ResponseFormat, prepared: PreparedRequest, streaming: bool) -> Response:
-    (stream,) = submit(s, entry, [prepared])
+async def generate(
+    s: Services, reservation: Reservation, fmt: ResponseFormat, prepared: PreparedRequest, streaming: bool
+) -> Response:
+    (stream,) = submit(s, reservation, [prepared])
     timer = RequestTimer(s.metrics, stream)
     if streaming:
         return sse_response(stream, fmt, timer, s.engine.abort)
@@ -141,10 +146,10 @@ async def generate(s: Services, entry: float, fmt: ResponseFormat, prepared: Pre
     return json_response(fmt.full_response(results))
 
 
-async def generate_batch(s: Services, entry: float, batch: list[PreparedRequest]) -> list[list[Completion]]:
+async def generate_batch(s: Services, reservation: Reservation, batch: list[PreparedRequest]) -> list[list[Completion]]:
     """Every prompt of one request runs at once; a failed one fails the request (after the rest ended).
     Each prompt's n choices, prompt by prompt."""
-    streams = submit(s, entry, batch)
+    streams = submit(s, reservation, batch)
     results: list[list[Completion]] = [[] for _ in streams]
 
     async def collect_into(i: int) -> None:
@@ -162,20 +167,29 @@ async def generate_batch(s: Services, entry: float, batch: list[PreparedRequest]
     return results
 
 
-def submit(s: Services, entry: float, batch: list[PreparedRequest]) -> list[RequestStream]:
-    """Admit all or none: a full admission queue (429) aborts the ones this request already queued."""
-    streams: list[RequestStream] = []
+def admit(s: Services, entry: float, num_requests: int) -> Reservation:
+    """The admission decision, before any tokenizing: slots held for the request's prompts, or a 429 now."""
     try:
-        for prepared in batch:
-            streams.append(s.engine.submit(prepared))
+        reservation = s.engine.reserve(num_requests)
     except QueueFull as error:
-        for stream in streams:
-            s.engine.abort(stream.request_id)
         s.metrics.admission.observe(time.perf_counter() - entry)
         s.metrics.rejected.inc()
         retry_after = {"Retry-After": str(s.config.retry_after_seconds)}
         raise APIError(429, f"the server is busy: {error}", code="queue_full", headers=retry_after) from None
     s.metrics.admission.observe(time.perf_counter() - entry)
+    return reservation
+
+
+def submit(s: Services, reservation: Reservation, batch: list[PreparedRequest]) -> list[RequestStream]:
+    """Queue all or none: a failure aborts the ones this request already queued."""
+    streams: list[RequestStream] = []
+    try:
+        for prepared in batch:
+            streams.append(reservation.submit(prepared))
+    except BaseException:
+        for stream in streams:
+            s.engine.abort(stream.request_id)
+        raise
     return streams
 
 
