@@ -12,12 +12,13 @@ from typing import Any
 
 import httpx
 
-from bench import metrics
+from bench import health_probe, metrics
 from bench.client import RequestOptions, RequestResult, Target, sample_health, send_request
 from bench.stats import rate, summarize
 from bench.workload import RequestSpec
 
 MODES = ("closed", "rate", "burst")
+PROBER_STARTUP = 1.0  # seconds for the /health prober process to import httpx and send its first probe
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,13 @@ async def run_level(
     async with make_client(width, transport) as client, make_client(1, transport) as health_client:
         load_before = os.getloadavg()[0]
         before = await metrics.scrape(health_client, target.root)
-        sampler = None
-        if health_interval:
+        sampler = prober = None
+        if health_interval and transport is None:
+            # A process of its own: the load generator's busy event loop adds nothing to the server's latencies.
+            prober = health_probe.ProbeProcess(target.root, health_interval)
+            await prober.start()
+            await asyncio.sleep(PROBER_STARTUP)
+        elif health_interval:
             sampler = asyncio.create_task(sample_health(health_client, target, health_interval, health))
         start = time.perf_counter()
         deadline = start + shape.max_duration if shape.max_duration else None
@@ -123,11 +129,20 @@ async def run_level(
             if sampler is not None:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
+            if prober is not None:
+                health += server_health(await prober.stop())
         after = await metrics.scrape(health_client, target.root) if before is not None else None
     results.sort(key=lambda r: r.index)
     server = metrics.summarize_histograms(metrics.delta(before, after)) if before and after else {}
     loadavg = (load_before, os.getloadavg()[0])
     return LevelResult(target.name, shape, end - start, results, health, server, loadavg)
+
+
+def server_health(samples: list[health_probe.HealthSample]) -> list[float]:
+    """Latencies of the probes a server with /health answered (failed probes count with their full wait)."""
+    if samples and all(s.status in (404, 405) for s in samples):
+        return []  # no /health on this server
+    return [s.latency for s in samples if s.status not in (404, 405)]
 
 
 async def _closed_loop(specs: list[RequestSpec], concurrency: int, one: Callable, deadline: float | None) -> None:
