@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import huge_pages
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.config import EngineConfig
 from engine.models.layers import LayerCache, PrefillSpan, StepContext
@@ -56,7 +57,7 @@ class ModelRunner:
         self.num_kv_heads = self.model.num_kv_heads
         shape = (self.num_kv_heads, config.num_kv_blocks, config.block_size, self.model.head_dim)
         self.kv_caches = [
-            LayerCache(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            LayerCache(huge_pages.zeros(shape, self.dtype), huge_pages.zeros(shape, self.dtype))
             for _ in range(self.model.num_layers)
         ]
         self._stage: _StageState | None = None

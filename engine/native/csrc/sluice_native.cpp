@@ -420,6 +420,10 @@ class NativeLlama {
         attn((size_t)T * heads_ * D), out((size_t)T * H), gu((size_t)T * 2 * I), act((size_t)T * I);
     int64_t max_len = 0;
     for (int64_t i = 0; i < T; i++) max_len = std::max(max_len, pos[i] + 1);
+    std::vector<int> seq_tokens(num_seqs, 0);
+    for (int64_t i = 0; i < T; i++) seq_tokens[seq[i]]++;
+    std::vector<char> is_decode(T);
+    for (int64_t i = 0; i < T; i++) is_decode[i] = seq_tokens[seq[i]] == 1;
     const int Lp = (int)((max_len + 15) / 16 * 16);
 
     for (int64_t i = 0; i < T; i++) embed_.row(id[i], h + i * H);
@@ -459,6 +463,7 @@ class NativeLlama {
       // or two streams), one task per (token, query head) instead, so both cores work; each head's arithmetic
       // is the same either way.
       const int per_task = T * kv_heads_ >= 4 * at::get_num_threads() ? G : 1;
+      // A sequence with one token in the step (a decode) reads keys no other query of the step has touched.
       at::parallel_for(0, T * heads_ / per_task, 1, [&](int64_t w0, int64_t w1) {
         thread_local std::vector<float> scores;
         if ((int64_t)scores.size() < 3 * Lp) scores.resize(3 * Lp);
@@ -472,11 +477,11 @@ class NativeLlama {
           if (kv_bf16_) {
             const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
             const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
+            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, L, is_decode[i], scale, scores.data(), o);
           } else {
             const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
             const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, L, scale, scores.data(), o);
+            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, L, is_decode[i], scale, scores.data(), o);
           }
         }
       });

@@ -1,0 +1,41 @@
+"""Tensors on transparent huge pages (2 MiB): the KV cache's blocks lie anywhere in hundreds of MB, and the
+packed weights are streamed through once per step, so with 4 KiB pages nearly every block read and every few
+KB of weights cost a TLB miss. Linux only, and only where THP is enabled (`always` or `madvise`); elsewhere a
+plain tensor, which works the same, only slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype), 2 MiB-aligned and advised onto huge pages before it is first touched."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: large allocations are mmapped
+    offset = -buffer.data_ptr() % HUGE_PAGE
+    advise(buffer.data_ptr() + offset, num_bytes)
+    return buffer[offset : offset + num_bytes].view(dtype).view(shape).zero_()
+
+
+def copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy on huge pages."""
+    out = zeros(tuple(tensor.shape), tensor.dtype)
+    return out.copy_(tensor)
+
+
+def advise(address: int, num_bytes: int) -> bool:
+    length = num_bytes // HUGE_PAGE * HUGE_PAGE
+    if length == 0:
+        return False
+    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0

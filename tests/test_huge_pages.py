@@ -1,0 +1,37 @@
+"""KV caches on transparent huge pages: the same zeros, 2 MiB-aligned and advised when large enough."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import huge_pages
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 700, 16, 64), torch.bfloat16), ((5, 7), torch.float32)])
+def test_zeros_are_zeros_of_the_asked_shape_and_large_ones_are_aligned(shape, dtype) -> None:
+    t = huge_pages.zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    if t.numel() * t.element_size() >= huge_pages.HUGE_PAGE:
+        assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
+    t.fill_(1)  # the whole range is writable
+    assert t.all()
+
+
+def test_large_caches_land_on_huge_pages_where_the_kernel_offers_them() -> None:
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel has no transparent huge pages")
+    t = huge_pages.zeros((64 << 20,), torch.uint8)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel()
+    for line in Path("/proc/self/smaps").read_text().split("\n"):
+        if "-" in line.split(" ")[0] and not line.startswith(("Size", "Rss")):
+            lo, hi = (int(x, 16) for x in line.split(" ")[0].split("-"))
+            mapping = lo <= start < hi
+        elif mapping and line.startswith("AnonHugePages:"):
+            assert int(line.split()[1]) >= 32 << 10  # kB: at least half of it on huge pages
+            return
+    pytest.fail("the tensor's mapping was not found in /proc/self/smaps")
