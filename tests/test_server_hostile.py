@@ -140,7 +140,8 @@ def test_health_stays_responsive_while_oversized_and_malformed_requests_are_reje
         stop.set()
         for abuser in abusers:
             abuser.result()
-    assert set(statuses) <= {400, 413} and statuses.count(413) > 0
+    # Requests being prepared hold admission slots: with max_pending 2 and three abusers, some are told 429 first.
+    assert set(statuses) <= {400, 413, 429} and statuses.count(400) > 0 and statuses.count(413) > 0
     p99 = statistics.quantiles(latencies, n=100)[98]
     # A loose bound for a shared CI machine; bench/ measures the real figure (target: p99 under 50 ms).
     assert p99 < 0.5, f"/health p99 {p99 * 1000:.0f} ms while bad requests were rejected"
