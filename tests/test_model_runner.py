@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,50 @@ def run_step(runner: ModelRunner, plan: list[tuple[Seq, int]]) -> list[tuple[Seq
     return result
 
 
+class ParityRun:
+    """Sequences on shuffled (non-contiguous, unordered) blocks, stepped through a runner whose RecordingSampler
+    keeps every logits row; each row is recorded with the token prefix whose next-token logits it should be."""
+
+    def __init__(self, runner: ModelRunner, sampler: RecordingSampler) -> None:
+        self.runner, self.sampler = runner, sampler
+        self.rng = random.Random(0)
+        self.free = list(range(runner.num_kv_blocks))
+        self.rng.shuffle(self.free)
+        self.checked: list[tuple[list[int], int]] = []  # (token prefix, index in sampler.rows)
+
+    def new_seq(self, seq_id: int, prompt: list[int], shared: list[int] = ()) -> Seq:
+        need = (len(prompt) + 24) // BLOCK_SIZE + 1 - len(shared)
+        return Seq(seq_id, prompt, [*shared, *(self.free.pop() for _ in range(need))])
+
+    def random_tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.runner.model.config.vocab_size) for _ in range(n)]
+
+    def step(self, plan: list[tuple[Seq, int]]) -> None:
+        for seq, n in run_step(self.runner, plan):
+            self.checked.append((seq.tokens[:n], len(self.checked)))
+
+    def prefill_in_chunks_with_a_prefix_hit(self) -> list[Seq]:
+        """Three steps of partial and whole prefills mixed with a decode, then a fourth sequence that shares the
+        first's two full blocks (a prefix-cache hit). Returns the four sequences, each with a token to decode."""
+        a, b, c = (self.new_seq(i, self.random_tokens(n)) for i, n in enumerate((37, 5, 50)))
+        self.step([(a, 16), (b, 99), (c, 20)])  # a, c: partial prefills; b: whole prompt
+        self.step([(b, 1), (a, 99), (c, 13)])  # decode of b mixed with prefill chunks
+        d = self.new_seq(3, a.tokens[:8] + self.random_tokens(9), shared=a.blocks[:2])
+        d.num_computed = 2 * BLOCK_SIZE  # its first chunk starts at position 8
+        self.step([(c, 99), (d, 99), (a, 1), (b, 1)])
+        return [a, b, c, d]
+
+    def recorded_and_expected(self, reference: torch.nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each recorded logits row with the reference model's full forward pass over its prefix."""
+        for prefix, index in self.checked:
+            with torch.inference_mode():
+                yield self.sampler.rows[index], reference(torch.tensor([prefix])).logits[0, -1]
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_paged_chunked_prefill_and_decode_match_full_forward(kind: str, tiny_llama_dir: Path, tiny_gpt2_dir: Path) -> None:
+def test_paged_chunked_prefill_and_decode_match_full_forward(
+    kind: str, tiny_llama_dir: Path, tiny_gpt2_dir: Path
+) -> None:
     model_dir = tiny_llama_dir if kind == "llama" else tiny_gpt2_dir
     config = EngineConfig(model=str(model_dir), dtype="float32", quantize="none", block_size=BLOCK_SIZE,
                           num_kv_blocks=96)  # fmt: skip
@@ -69,43 +112,20 @@ def test_paged_chunked_prefill_and_decode_match_full_forward(kind: str, tiny_lla
     runner = ModelRunner(load_model(config), config, sampler=sampler)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    rng = random.Random(0)
-    free = list(range(config.num_kv_blocks))
-    rng.shuffle(free)  # non-contiguous, unordered block tables
-
-    def new_seq(seq_id: int, prompt: list[int], shared: list[int] = ()) -> Seq:
-        need = (len(prompt) + 24) // BLOCK_SIZE + 1 - len(shared)
-        return Seq(seq_id, prompt, [*shared, *(free.pop() for _ in range(need))])
-
-    vocab = runner.model.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (37, 5, 50)]
-    a, b, c = new_seq(0, prompts[0]), new_seq(1, prompts[1]), new_seq(2, prompts[2])
-    checked: list[tuple[list[int], int]] = []  # (token prefix, index in sampler.rows)
-
-    def record(sampled: list[tuple[Seq, int]]) -> None:
-        for seq, n in sampled:
-            checked.append((seq.tokens[:n], len(checked)))
-
-    record(run_step(runner, [(a, 16), (b, 99), (c, 20)]))  # a, c: partial prefills; b: whole prompt
-    record(run_step(runner, [(b, 1), (a, 99), (c, 13)]))  # decode of b mixed with prefill chunks
-    # d shares a's first two full blocks (prefix cache hit): its first chunk starts at position 8
-    d = new_seq(3, prompts[0][:8] + [rng.randrange(vocab) for _ in range(9)], shared=a.blocks[:2])
-    d.num_computed = 2 * BLOCK_SIZE
-    record(run_step(runner, [(c, 99), (d, 99), (a, 1), (b, 1)]))
+    run = ParityRun(runner, sampler)
+    a, b, c, d = run.prefill_in_chunks_with_a_prefix_hit()
     # the same decode batch for several steps (the runner appends to its stage, and re-gathers when a sequence
     # outgrows it), then a different one
     for _ in range(12):
-        record(run_step(runner, [(s, 1) for s in (a, b, c, d)]))
+        run.step([(s, 1) for s in (a, b, c, d)])
     for _ in range(2):
-        record(run_step(runner, [(s, 1) for s in (d, b, a)]))
+        run.step([(s, 1) for s in (d, b, a)])
     for _ in range(3):  # few rows take another attention kernel
-        record(run_step(runner, [(s, 1) for s in (b, a)]))
-    assert len(checked) == 2 + 2 + 3 + 48 + 6 + 6
+        run.step([(s, 1) for s in (b, a)])
+    assert len(run.checked) == 2 + 2 + 3 + 48 + 6 + 6
 
-    for prefix, index in checked:
-        with torch.inference_mode():
-            expected = reference(torch.tensor([prefix])).logits[0, -1]
-        torch.testing.assert_close(sampler.rows[index], expected, atol=2e-4, rtol=1e-4)
+    for recorded, expected in run.recorded_and_expected(reference):
+        torch.testing.assert_close(recorded, expected, atol=2e-4, rtol=1e-4)
 
 
 def test_batch_without_sampling_returns_nothing(tiny_llama_dir: Path) -> None:

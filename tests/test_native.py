@@ -16,7 +16,7 @@ import pytest
 import torch
 from engine_helpers import hf_greedy
 from safetensors.torch import load_file, save_file
-from test_model_runner import BLOCK_SIZE, RecordingSampler, Seq, run_step
+from test_model_runner import BLOCK_SIZE, ParityRun, RecordingSampler
 from tiny_models import save_tiny_llama
 from transformers import AutoModelForCausalLM
 
@@ -110,36 +110,14 @@ def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes
         runner.native.set_kv_caches([c.k for c in runner.kv_caches], [c.v for c in runner.kv_caches])
     reference = AutoModelForCausalLM.from_pretrained(grid_llama_dir, dtype=torch.float32).eval()
 
-    rng = random.Random(0)
-    free = list(range(config.num_kv_blocks))
-    rng.shuffle(free)
-
-    def new_seq(seq_id: int, prompt: list[int], shared: list[int] = ()) -> Seq:
-        need = (len(prompt) + 24) // BLOCK_SIZE + 1 - len(shared)
-        return Seq(seq_id, prompt, [*shared, *(free.pop() for _ in range(need))])
-
-    vocab = runner.model.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (37, 5, 50)]
-    a, b, c = new_seq(0, prompts[0]), new_seq(1, prompts[1]), new_seq(2, prompts[2])
-    checked: list[tuple[list[int], int]] = []
-
-    def record(sampled: list[tuple[Seq, int]]) -> None:
-        for seq, n in sampled:
-            checked.append((seq.tokens[:n], len(checked)))
-
-    record(run_step(runner, [(a, 16), (b, 99), (c, 20)]))
-    record(run_step(runner, [(b, 1), (a, 99), (c, 13)]))
-    d = new_seq(3, prompts[0][:8] + [rng.randrange(vocab) for _ in range(9)], shared=a.blocks[:2])
-    d.num_computed = 2 * BLOCK_SIZE  # a prefix-cache hit: its first chunk starts at position 8
-    record(run_step(runner, [(c, 99), (d, 99), (a, 1), (b, 1)]))
+    run = ParityRun(runner, sampler)
+    a, b, c, d = run.prefill_in_chunks_with_a_prefix_hit()
     for _ in range(6):
-        record(run_step(runner, [(s, 1) for s in (a, b, c, d)]))
+        run.step([(s, 1) for s in (a, b, c, d)])
     for _ in range(3):
-        record(run_step(runner, [(s, 1) for s in (d, a)]))
-    for prefix, index in checked:  # measured: 3e-4 (float32 cache), 9e-3 (bfloat16 cache)
-        with torch.inference_mode():
-            expected = reference(torch.tensor([prefix])).logits[0, -1]
-        assert (sampler.rows[index] - expected).abs().max() < tolerance * expected.abs().max()
+        run.step([(s, 1) for s in (d, a)])
+    for recorded, expected in run.recorded_and_expected(reference):  # measured: 3e-4 (float32 cache), 9e-3 (bf16)
+        assert (recorded - expected).abs().max() < tolerance * expected.abs().max()
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

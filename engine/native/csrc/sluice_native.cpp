@@ -466,7 +466,7 @@ class NativeLlama {
       // A sequence with one token in the step (a decode) reads keys no other query of the step has touched.
       at::parallel_for(0, T * heads_ / per_task, 1, [&](int64_t w0, int64_t w1) {
         thread_local std::vector<float> scores;
-        if ((int64_t)scores.size() < 3 * Lp) scores.resize(3 * Lp);
+        if ((int64_t)scores.size() < MAX_HEADS_PER_PASS * Lp) scores.resize(MAX_HEADS_PER_PASS * Lp);
         for (int64_t w = w0; w < w1; w++) {
           const int64_t i = w * per_task / heads_;
           const int head = (int)(w * per_task % heads_), kh = head / G;
