@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench bench-offline llama-server clean
+.PHONY: install serve test bench bench-offline bench-kernels llama-server ik-llama-server clean
 
 NATIVE_SO := engine/native/_build/sluice_native.so
 NATIVE_SRC := $(wildcard engine/native/csrc/*) engine/native/build.py
@@ -39,11 +39,19 @@ bench: install
 bench-offline: install
 	$(PY) -m bench.offline $(ARGS)
 
+# every kernel variant this CPU runs (avx512, avx2, baseline) against its measured peaks
+bench-kernels: install
+	$(PY) -m bench.kernels $(ARGS)
+
 # llama.cpp's llama-server (and llama-bench) for `python -m bench --compare --llama-server PATH`, built outside
 # the repository (default ../peers; LLAMA_DIR=... to choose). Never committed, not part of `make test`.
 LLAMA_DIR ?= ../peers
 llama-server: install
 	PIP="$(PY) -m pip" bench/build_llama_server.sh $(LLAMA_DIR)
+
+# ik_llama.cpp's llama-server, the same way, as $(LLAMA_DIR)/ik-llama-server
+ik-llama-server: install
+	PIP="$(PY) -m pip" bench/build_ik_llama_server.sh $(LLAMA_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info engine/native/_build

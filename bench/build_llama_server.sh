@@ -2,12 +2,15 @@
 # Build llama.cpp's llama-server (and llama-bench) from the llama.cpp vendored in the
 # llama-cpp-python==0.3.36 source distribution, into DIR (outside the repository; never commit it).
 #   bench/build_llama_server.sh /work/peers
-# leaves DIR/llama-server and DIR/llama-bench. Needs cmake and g++; PIP defaults to python3 -m pip.
+# leaves DIR/llama-server, DIR/llama-bench and DIR/llama-perplexity. Needs cmake and g++; PIP defaults to
+# python3 -m pip.
 # Not part of `make test`.
 #
 # Why these options: a GGML_NATIVE build died with an illegal instruction on the Intel (AMX) machines,
-# so the instruction sets are named explicitly: AVX/AVX2/FMA/F16C/AVX-512 on (both the AMD EPYC and the
-# Intel Xeon machines here have them), AMX off. No curl, no OpenSSL, no prebuilt web UI: the build
+# so the instruction sets are named explicitly, chosen from the flags of the CPU this builds on
+# (/proc/cpuinfo): AVX/AVX2/FMA/F16C/BMI2 and each AVX-512 extension only where the CPU has it (an AVX-512
+# build dies with SIGILL on an AVX2-only CPU such as AMD Zen 1-3), AMX always off. The binary is therefore
+# for this CPU (or one with at least its flags). No curl, no OpenSSL, no prebuilt web UI: the build
 # fetches nothing from the network.
 set -euo pipefail
 
@@ -23,25 +26,34 @@ mkdir -p "$src_root"
 
 sdist="$src_root/llama_cpp_python-$version.tar.gz"
 if [ ! -f "$sdist" ]; then
-    $pip download --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$src_root"
+    $pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$src_root"
 fi
 llama_dir="$src_root/llama_cpp_python-$version/vendor/llama.cpp"
 if [ ! -d "$llama_dir" ]; then
     tar -xzf "$sdist" -C "$src_root"
 fi
 
+cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+has() { case "$cpu_flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+isa_options=(
+    -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"
+    -DGGML_BMI2="$(has bmi2)"
+    -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
+    -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
+)
+echo "instruction sets: ${isa_options[*]}"
+
 build_dir="$src_root/build"
 cmake -S "$llama_dir" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=OFF \
-    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    "${isa_options[@]}" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-cmake --build "$build_dir" --target llama-server llama-bench -j "$jobs"
+cmake --build "$build_dir" --target llama-server llama-bench llama-perplexity -j "$jobs"
 
-cp "$build_dir/bin/llama-server" "$build_dir/bin/llama-bench" "$out_dir/"
+cp "$build_dir/bin/llama-server" "$build_dir/bin/llama-bench" "$build_dir/bin/llama-perplexity" "$out_dir/"
 "$out_dir/llama-server" --version 2>&1 | tail -n 2
-echo "built $out_dir/llama-server and $out_dir/llama-bench"
+echo "built $out_dir/llama-server, $out_dir/llama-bench and $out_dir/llama-perplexity"

@@ -24,6 +24,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
+import engine.native as engine_native
 from engine.native import native_ops
 from engine.native.packing import dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference, q8_reference
 
@@ -183,6 +184,56 @@ def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid
         monkeypatch.delenv("SLUICE_NATIVE")
         native_ops.cache_clear()
     assert native_ops() is not None
+
+
+def test_sluice_isa_forces_a_variant_and_refuses_one_the_cpu_lacks(monkeypatch) -> None:
+    runnable = engine_native.available_isas(ops)
+    try:
+        for name in runnable:
+            monkeypatch.setenv("SLUICE_ISA", name)
+            native_ops.cache_clear()
+            assert native_ops().isa() == ("isa_base" if name == "baseline" else f"isa_{name}")
+        monkeypatch.setenv("SLUICE_ISA", "avx1024")
+        native_ops.cache_clear()
+        with pytest.raises(RuntimeError, match="SLUICE_ISA='avx1024': the kernel variants are avx512, avx2, baseline"):
+            native_ops()
+        for lacking in [v for v in engine_native.ISA_VARIANTS if v not in runnable]:  # avx512 on an AVX2 CPU
+            monkeypatch.setenv("SLUICE_ISA", lacking)
+            native_ops.cache_clear()
+            with pytest.raises(RuntimeError, match=f"this CPU cannot run the {lacking} kernels"):
+                native_ops()
+    finally:
+        monkeypatch.delenv("SLUICE_ISA")
+        native_ops.cache_clear()
+        ops.set_isa("best")
+    assert native_ops().isa() == ops.isa()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, dtype: torch.dtype) -> None:
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, heads, dim, block, blocks = 2, 6, 64, 5, 40
+    k = torch.randn(kv_heads, blocks, block, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, blocks, block, dim, generator=gen).to(dtype)
+    lengths = torch.tensor([1, 7, 23, 40])
+    tables = torch.randperm(blocks, generator=gen)[:32].view(4, 8).to(torch.int32)
+    q = torch.randn(4, heads, dim, generator=gen)
+    ops.set_isa(isa)
+    try:
+        out = ops.attention(q, k, v, tables, lengths)
+    finally:
+        ops.set_isa("best")
+    for i, length in enumerate(lengths.tolist()):
+        pos = torch.arange(length)
+        blocks_of = tables[i].long()[pos // block]
+        keys, values = k[:, blocks_of, pos % block].float(), v[:, blocks_of, pos % block].float()  # [KVH, L, D]
+        group = heads // kv_heads
+        scores = torch.einsum("hd,hld->hl", q[i], keys.repeat_interleave(group, 0)) / dim**0.5
+        expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values.repeat_interleave(group, 0))
+        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-4)
 
 
 def test_bad_step_inputs_are_refused_not_read_out_of_bounds(grid_llama_dir: Path) -> None:

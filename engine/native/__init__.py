@@ -2,6 +2,10 @@
 
 `native_ops()` is the compiled module, or None: not built, built for another torch, or turned off with
 SLUICE_NATIVE=0. Either way the engine keeps working on its eager PyTorch path, and says why once in the log.
+
+The kernels come in three variants (avx512, avx2, baseline), the best the CPU has chosen at run time;
+SLUICE_ISA=avx512|avx2|baseline forces one (to measure or test a variant on a bigger CPU), and is refused with
+a RuntimeError when the CPU lacks it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SLUICE_NATIVE"
+ENV_ISA = "SLUICE_ISA"
+ISA_VARIANTS = ("avx512", "avx2", "baseline")  # the extension's own names: isa_avx512, isa_avx2, isa_base
 BUILD_DIR = Path(__file__).resolve().parent / "_build"  # gitignored; `make install` fills it
 MODULE_NAME = "sluice_native"
 
@@ -39,5 +45,33 @@ def native_ops() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - e.g. built against another torch: rebuild with `make install`
         log.warning("the native step failed to load (%s); using the eager PyTorch path", exc)
         return None
+    forced = os.environ.get(ENV_ISA)
+    if forced:
+        use_isa(module, forced)
     log.info("native step loaded (%s kernels)", module.isa())
     return module
+
+
+def available_isas(module: ModuleType) -> list[str]:
+    """The kernel variants this CPU can run, best first."""
+    found = [name for name in ISA_VARIANTS if _try_isa(module, name)]
+    module.set_isa("best")
+    return found
+
+
+def use_isa(module: ModuleType, name: str) -> None:
+    """Run the kernels of variant `name` (one of ISA_VARIANTS, or "best") from now on."""
+    if name != "best" and name not in ISA_VARIANTS:
+        raise RuntimeError(f"{ENV_ISA}={name!r}: the kernel variants are {', '.join(ISA_VARIANTS)}")
+    if not _try_isa(module, name):
+        raise RuntimeError(
+            f"{ENV_ISA}={name}: this CPU cannot run the {name} kernels (it can run: {', '.join(available_isas(module))})"
+        )
+
+
+def _try_isa(module: ModuleType, name: str) -> bool:
+    try:
+        module.set_isa("base" if name == "baseline" else name)
+    except RuntimeError:
+        return False
+    return True

@@ -37,10 +37,24 @@ inline vi dot2_bcast(vi acc, vi w, const short* x) {
   asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a) : "v"((__m512i)w), "m"(*(const int*)x));
   return (vi)a;
 }
+inline vi dot2(vi acc, vi w, vi x) { return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
 inline vi round_to_int(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
 inline void store_s16x16(short* p, vi v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vi load_s8x32_as_s16(const signed char* p) {
   return (vi)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+}
+// The 16-lane GEMMs: one zmm per tile, 32 registers hold the 8-row micro-kernel.
+constexpr bool USE_GEMM8 = false;
+constexpr int GEMM8_ROWS = 8;
+// 8-lane GEMM helpers (gemm8.inc), AVX2 instructions.
+inline vi8 madd_bcast8(vi8 w, const short* x) {
+  int pair;
+  __builtin_memcpy(&pair, x, 4);
+  return (vi8)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(pair));
+}
+inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vi8 load_s8x16_as_s16x8(const signed char* p) {
+  return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
 }
 }  // namespace
 #include "kernels.inc"
@@ -105,6 +119,19 @@ inline void store_s16x16(short* p, vi v) {
   __m256i packed = _mm256_packs_epi32((__m256i)lo, (__m256i)hi);  // lanes in 128-bit halves: reorder
   _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
 }
+// 16 ymm: 4 rows' integer and float accumulators (8) + the weights, their unpacked pair and the mask.
+constexpr bool USE_GEMM8 = true;
+constexpr int GEMM8_ROWS = 4;
+// 8-lane GEMM helpers (gemm8.inc), AVX2 instructions.
+inline vi8 madd_bcast8(vi8 w, const short* x) {
+  int pair;
+  __builtin_memcpy(&pair, x, 4);
+  return (vi8)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(pair));
+}
+inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vi8 load_s8x16_as_s16x8(const signed char* p) {
+  return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -160,6 +187,28 @@ inline vi round_to_int(vf v) {
 inline void store_s16x16(short* p, vi v) {
   for (int i = 0; i < 16; i++) p[i] = (short)v[i];
 }
+// 8-lane GEMM helpers on SSE2 (each 8-lane vector is two xmm of 16): 2 rows keep 8 accumulators in registers.
+typedef int vi4 __attribute__((vector_size(16)));
+constexpr bool USE_GEMM8 = true;
+constexpr int GEMM8_ROWS = 2;
+inline vi8 madd_bcast8(vi8 w, const short* x) {
+  int pair;
+  __builtin_memcpy(&pair, x, 4);
+  const __m128i p = _mm_set1_epi32(pair);
+  const vi4 lo = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 0, 1, 2, 3), p);
+  const vi4 hi = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 4, 5, 6, 7), p);
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+inline vf8 load_f16x8(const unsigned short* p) {
+  vf8 v;
+  for (int i = 0; i < 8; i++) v[i] = (float)((const _Float16*)p)[i];
+  return v;
+}
+inline vi8 load_s8x16_as_s16x8(const signed char* p) {
+  vi8 v;
+  for (int i = 0; i < 8; i++) v[i] = (int)(unsigned short)(short)p[2 * i] | ((int)(short)p[2 * i + 1] << 16);
+  return v;
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
@@ -179,12 +228,14 @@ struct Kernels {
   decltype(&isa_base::store_k_bf16) store_k_bf16;
   decltype(&isa_base::attend_f32) attend_f32;
   decltype(&isa_base::attend_bf16) attend_bf16;
+  decltype(&isa_base::madd_peak) madd_peak;
+  decltype(&isa_base::read_stream) read_stream;
 };
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
     #ns, ns::q4_gemm, ns::quantize_q16, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::rope, ns::store_k_f32, \
-        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16                                                   \
+        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::read_stream                   \
   }
 
 bool cpu_has_avx512() {
@@ -334,6 +385,78 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, int64_t N) {
   at::Tensor y = at::empty({M, (int64_t)N}, x.options());
   w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N);
   return y;
+}
+
+// For the kernel benchmark: the multiply-adds of `iterations` turns of the register-only dot2 loop on every thread
+// of the pool (as the GEMMs run), and the sum of a float32 tensor read once (a streaming read).
+int64_t madd_peak(int64_t iterations) {
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> done(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) done[t] = kernels().madd_peak(iterations, (int)(t + iterations) & 7);
+  });
+  int64_t total = 0;
+  for (int64_t d : done) total += d;
+  return total;
+}
+
+double read_stream(at::Tensor x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.numel() % 64 == 0, "read_stream: a multiple of 64 floats");
+  const int64_t n = x.numel(), chunk = 1 << 20;
+  const float* p = x.data_ptr<float>();
+  std::vector<double> parts((n + chunk - 1) / chunk);
+  at::parallel_for(0, (int64_t)parts.size(), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c++) parts[c] = kernels().read_stream(p + c * chunk, std::min(chunk, n - c * chunk));
+  });
+  double total = 0;
+  for (double v : parts) total += v;
+  return total;
+}
+
+// Attention alone, as the step runs it for decodes: q [T, heads, D] float32; k, v caches [KVH, blocks, block_size, D]
+// (float32 or bfloat16); block_tables [T, max_blocks] int32; lengths [T] int64: token i attends to keys
+// 0 .. lengths[i] - 1 of its table. One task per (token, KV head). Returns [T, heads, D].
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor lengths) {
+  check_f32(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+                  k.is_contiguous() && v.is_contiguous(), "attention: q [T, heads, D], k and v [KVH, blocks, bs, D]");
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16, "attention: float32 or bf16 cache");
+  const int64_t T = q.size(0), heads = q.size(1), D = q.size(2), KVH = k.size(0), bs = k.size(2);
+  TORCH_CHECK(k.size(3) == D && (D == 16 || D == 32 || D == 64 || D == 128) && heads % KVH == 0, "attention: shapes");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == T,
+              "attention: block_tables [T, max_blocks] int32");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == T, "attention: lengths [T] int64");
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int* table = tables.data_ptr<int>();
+  int64_t max_len = 1;
+  for (int64_t i = 0; i < T; i++) {
+    TORCH_CHECK(len[i] >= 1 && len[i] <= tables.size(1) * bs, "attention: length out of range");
+    max_len = std::max(max_len, len[i]);
+  }
+  for (int64_t i = 0; i < tables.numel(); i++) TORCH_CHECK(table[i] >= 0 && table[i] < k.size(1), "attention: block id");
+  at::Tensor out = at::empty_like(q);
+  const Kernels& kern = kernels();
+  const int G = (int)(heads / KVH), Lp = (int)((max_len + 15) / 16 * 16);
+  const int64_t head_stride = k.size(1) * bs * D;
+  const float scale = 1.0f / std::sqrt((float)D);
+  at::parallel_for(0, T * KVH, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores((size_t)MAX_HEADS_PER_PASS * Lp);
+    for (int64_t w = w0; w < w1; w++) {
+      const int64_t i = w / KVH, kh = w % KVH;
+      const float* qh = q.data_ptr<float>() + (i * heads + kh * G) * D;
+      float* o = out.data_ptr<float>() + (i * heads + kh * G) * D;
+      const int* tab = table + i * tables.size(1);
+      if (k.scalar_type() == at::kBFloat16)
+        kern.attend_bf16(qh, G, (int)D, (const unsigned short*)k.data_ptr() + kh * head_stride,
+                         (const unsigned short*)v.data_ptr() + kh * head_stride, tab, (int)bs, (int)len[i], true, scale,
+                         scores.data(), o);
+      else
+        kern.attend_f32(qh, G, (int)D, k.data_ptr<float>() + kh * head_stride, v.data_ptr<float>() + kh * head_stride,
+                        tab, (int)bs, (int)len[i], true, scale, scores.data(), o);
+    }
+  });
+  return out;
 }
 
 class NativeLlama {
@@ -539,6 +662,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa);
   m.def("q4_linear", &q4_linear, release());
   m.def("q8_linear", &q8_linear, release());
+  m.def("madd_peak", &madd_peak, release());
+  m.def("read_stream", &read_stream, release());
+  m.def("attention", &attention, release());
   py::class_<NativeLlama>(m, "NativeLlama")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, at::Tensor, at::Tensor, at::Tensor>())

@@ -1,0 +1,260 @@
+"""The native kernels on this CPU, per instruction-set variant, against this CPU's measured peaks.
+
+    python -m bench.kernels [--variants avx2,baseline] [--rows 1,8,32,128,512] [--markdown] [--quick]
+
+For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_ISA forces one in the server):
+- peaks: the GEMM's integer multiply-add in a register-only loop on every thread (multiply-adds/s), and a
+  streaming read of 256 MiB (bytes/s);
+- the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) and the Q8_0 lm_head
+  (576 -> 49152) for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s and % of the
+  read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
+- decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
+  heads, 3 KV heads, head dim 64): tokens/s and KV bytes/s;
+- a prefill chunk: one layer of the default model's shape over a 256-token chunk (its linears and attention).
+
+Wall times on all of torch's threads, the best of a few repeats (a shared machine only makes it slower).
+`--quick` runs small shapes with one repeat in a few seconds: the CI smoke test, which asserts no timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_ROWS = (1, 8, 32, 128, 512)
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152  # SmolLM2-135M
+
+
+@dataclass
+class Shape:
+    name: str
+    k: int
+    n: int
+    kind: str  # "q4" or "q8"
+
+
+@dataclass
+class Row:
+    variant: str
+    what: str
+    rows: int
+    seconds: float
+    rate: float  # multiply-adds/s (GEMM) or tokens/s (attention, prefill)
+    rate_pct: float | None  # of the arithmetic peak
+    bytes_per_s: float
+    bytes_pct: float | None  # of the streaming-read bandwidth
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, model {info['model'].strip()})"
+    except (OSError, KeyError):
+        return platform.processor() or "unknown CPU"
+
+
+def best_time(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
+    """Best per-call wall time over `repeats` rounds of at least `min_seconds` each."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def measure_peaks(ops, quick: bool) -> tuple[float, float]:
+    """(multiply-adds/s of the register-only loop, bytes/s of a streaming read)."""
+    iterations = 200_000 if quick else 5_000_000
+    best = float("inf")
+    for _ in range(1 if quick else 3):
+        start = time.perf_counter()
+        macs = ops.madd_peak(iterations)
+        best = min(best, time.perf_counter() - start)
+    data = torch.ones((16 if quick else 256) << 18)  # 16 or 256 MiB of float32
+    seconds = best_time(lambda: ops.read_stream(data), 1 if quick else 3, 0.0 if quick else 0.5)
+    return macs / best, data.numel() * 4 / seconds
+
+
+def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: tuple[float, float], opts) -> list[Row]:
+    from engine.native.packing import pack_q4, pack_q8
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(shape.n, shape.k, generator=gen) * 0.05
+    if shape.kind == "q4":
+        p = pack_q4(w, None)
+        weight_bytes = p.qs.numel() + 2 * p.scale.numel() * 2
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return ops.q4_linear(x, p.qs, p.scale, p.minv, p.bias, shape.n)
+    else:
+        p8 = pack_q8(w)
+        weight_bytes = p8.qs.numel() + p8.scale.numel() * 2
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return ops.q8_linear(x, p8.qs, p8.scale, shape.n)
+
+    out = []
+    for m in rows:
+        x = torch.randn(m, shape.k, generator=gen)
+        seconds = best_time(lambda: run(x), opts.repeats, opts.min_seconds)
+        rate = m * shape.k * shape.n / seconds
+        out.append(Row(variant, f"{shape.kind} {shape.name} {shape.k}->{shape.n}", m, seconds, rate,
+                       100 * rate / peaks[0], weight_bytes / seconds, 100 * weight_bytes / seconds / peaks[1]))  # fmt: skip
+    return out
+
+
+def attention_rows(ops, variant: str, rows: list[int], peaks: tuple[float, float], opts) -> list[Row]:
+    """Decode attention: `m` sequences, one query each, `length` keys each, blocks scattered over the cache."""
+    length, block = (64, 16) if opts.quick else (512, 16)
+    blocks_per_seq = length // block
+    out = []
+    for m in rows:
+        if m > 128:
+            continue  # a decode batch of more than 128 sequences is not a case the server meets
+        num_blocks = m * blocks_per_seq
+        gen = torch.Generator().manual_seed(1)
+        k = torch.randn(KV_HEADS, num_blocks, block, HEAD_DIM, generator=gen).bfloat16()
+        v = torch.randn(KV_HEADS, num_blocks, block, HEAD_DIM, generator=gen).bfloat16()
+        tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(m, blocks_per_seq)
+        q = torch.randn(m, HEADS, HEAD_DIM, generator=gen)
+        lengths = torch.full((m,), length, dtype=torch.int64)
+        seconds = best_time(lambda: ops.attention(q, k, v, tables, lengths), opts.repeats, opts.min_seconds)
+        kv_bytes = 2 * m * length * KV_HEADS * HEAD_DIM * 2
+        out.append(Row(variant, f"decode attention L={length} bf16", m, seconds, m / seconds, None,
+                       kv_bytes / seconds, 100 * kv_bytes / seconds / peaks[1]))  # fmt: skip
+    return out
+
+
+def prefill_chunk_row(ops, variant: str, peaks: tuple[float, float], opts) -> Row:
+    """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions 0..chunk-1)."""
+    from engine.native.packing import pack_q4, pack_q8
+
+    chunk, block, vocab = (32, 16, 256) if opts.quick else (256, 16, 1024)
+    gen = torch.Generator().manual_seed(2)
+
+    def q4(n: int, k: int) -> list[torch.Tensor]:
+        p = pack_q4(torch.randn(n, k, generator=gen) * 0.05, None)
+        return [p.qs, p.scale, p.minv, p.bias]
+
+    embed = pack_q8(torch.randn(vocab, HIDDEN, generator=gen) * 0.05)
+    positions = torch.arange(chunk, dtype=torch.float32)[:, None]
+    freqs = positions * (10000.0 ** (-torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    angles = torch.cat([freqs, freqs], dim=1)
+    sin = torch.cat([-angles[:, : HEAD_DIM // 2].sin(), angles[:, HEAD_DIM // 2 :].sin()], dim=1).contiguous()
+    model = ops.NativeLlama(HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, 1e-5, vocab, embed.qs, embed.scale,
+                            embed.qs, embed.scale, torch.ones(HIDDEN), angles.cos().contiguous(), sin)  # fmt: skip
+    model.add_layer(torch.ones(HIDDEN), torch.ones(HIDDEN), q4((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+                    q4(HIDDEN, HEADS * HEAD_DIM), q4(2 * INTERMEDIATE, HIDDEN), q4(HIDDEN, INTERMEDIATE))  # fmt: skip
+    num_blocks = chunk // block
+    cache = [torch.zeros(KV_HEADS, num_blocks, block, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    model.set_kv_caches([cache[0]], [cache[1]])
+    ids = torch.randint(0, vocab, (chunk,), generator=gen)
+    pos = torch.arange(chunk)
+    rows = torch.zeros(chunk, dtype=torch.int32)
+    tables = torch.arange(num_blocks, dtype=torch.int32)[None]
+    seconds = best_time(lambda: model.forward(ids, pos, pos, rows, tables), opts.repeats, opts.min_seconds)
+    linear_macs = chunk * HIDDEN * ((HEADS + 2 * KV_HEADS) * HEAD_DIM + 3 * INTERMEDIATE) + chunk * HEADS * HEAD_DIM * HIDDEN
+    return Row(variant, f"prefill chunk {chunk} tok, 1 layer", chunk, seconds, chunk / seconds,
+               100 * linear_macs / seconds / peaks[0], 0.0, None)  # fmt: skip
+
+
+def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[tuple[float, float], list[Row]]:
+    from engine.native import use_isa
+
+    use_isa(ops, variant)
+    try:
+        peaks = measure_peaks(ops, opts.quick)
+        if opts.quick:
+            shapes = [Shape("small", 64, 96, "q4"), Shape("small", 64, 96, "q8")]
+        else:
+            shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
+                      Shape("lm_head", HIDDEN, VOCAB, "q8")]  # fmt: skip
+        results = []
+        for shape in shapes:
+            results += gemm_rows(ops, variant, shape, rows, peaks, opts)
+        results += attention_rows(ops, variant, rows, peaks, opts)
+        results.append(prefill_chunk_row(ops, variant, peaks, opts))
+        return peaks, results
+    finally:
+        use_isa(ops, "best")
+
+
+def show(variant: str, peaks: tuple[float, float], rows: list[Row], markdown: bool) -> None:
+    print(f"\n{variant}: register-only multiply-add peak {peaks[0] / 1e9:.1f} G/s, streaming read {peaks[1] / 1e9:.1f} GB/s")
+    header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
+    lines = []
+    for r in rows:
+        rate = f"{r.rate / 1e9:.2f} GMAC/s" if "->" in r.what else f"{r.rate:.0f} tok/s"
+        lines.append([r.what, str(r.rows), f"{r.seconds * 1e3:.3f}", rate,
+                      "" if r.rate_pct is None else f"{r.rate_pct:.0f}%", f"{r.bytes_per_s / 1e9:.1f}",
+                      "" if r.bytes_pct is None else f"{r.bytes_pct:.0f}%"])  # fmt: skip
+    if markdown:
+        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+        return
+    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
+    for line in [header, *lines]:
+        print("  ".join(x.ljust(w) for x, w in zip(line, widths)))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", help="comma-separated: avx512, avx2, baseline (default: every one this CPU runs)")
+    p.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="GEMM row counts (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timed round per measurement")
+    p.add_argument("--quick", action="store_true", help="small shapes, one short round: a smoke test in seconds")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", help="write every figure to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.min_seconds = 1, 0.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.native import available_isas, native_ops
+
+    args = parse_args(argv)
+    ops = native_ops()
+    if ops is None:
+        print("the native step is not built (make install builds it): nothing to measure")
+        return 1
+    runnable = available_isas(ops)
+    variants = args.variants.split(",") if args.variants else runnable
+    missing = [v for v in variants if v not in runnable]
+    if missing:
+        raise SystemExit(f"this CPU cannot run the {', '.join(missing)} kernels (it can run: {', '.join(runnable)})")
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; variants: {', '.join(variants)}"
+          f" (not runnable here: {', '.join(v for v in ('avx512', 'avx2', 'baseline') if v not in runnable) or 'none'})")
+    report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "variants": {}}
+    for variant in variants:
+        peaks, results = run_variant(ops, variant, rows, args)
+        show(variant, peaks, results, args.markdown)
+        report["variants"][variant] = {"madd_peak": peaks[0], "read_bandwidth": peaks[1],
+                                       "results": [asdict(r) for r in results]}  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
