@@ -12,8 +12,10 @@ For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_
   heads, 3 KV heads, head dim 64): tokens/s and KV bytes/s;
 - a prefill chunk: one layer of the default model's shape over a 256-token chunk (its linears and attention).
 
-Wall times on all of torch's threads, the best of a few repeats (a shared machine only makes it slower).
-`--quick` runs small shapes with one repeat in a few seconds: the CI smoke test, which asserts no timing.
+Wall times on all of torch's threads, the best of a few repeats (a shared machine only makes it slower);
+`--per-core` instead runs one thread and times it by its own CPU time, which a machine shared with other work
+disturbs far less (the peaks are then per core too). `--quick` runs small shapes with one repeat in a few seconds:
+the CI smoke test, which asserts no timing.
 """
 
 from __future__ import annotations
@@ -55,22 +57,26 @@ class Row:
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, model {info['model'].strip()})"
+            pairs = [line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line]
+        info = {key.strip(): value.strip() for key, value in pairs}
+        return f"{info['model name']} (family {info['cpu family']}, model {info['model']})"
     except (OSError, KeyError):
         return platform.processor() or "unknown CPU"
 
 
+CLOCK = time.perf_counter  # time.thread_time with --per-core
+
+
 def best_time(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
-    """Best per-call wall time over `repeats` rounds of at least `min_seconds` each."""
+    """Best per-call time over `repeats` rounds of at least `min_seconds` each."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        calls, start = 0, time.perf_counter()
+        calls, start = 0, CLOCK()
         while True:
             fn()
             calls += 1
-            elapsed = time.perf_counter() - start
+            elapsed = CLOCK() - start
             if elapsed >= min_seconds:
                 break
         best = min(best, elapsed / calls)
@@ -82,9 +88,9 @@ def measure_peaks(ops, quick: bool) -> tuple[float, float]:
     iterations = 200_000 if quick else 5_000_000
     best = float("inf")
     for _ in range(1 if quick else 3):
-        start = time.perf_counter()
+        start = CLOCK()
         macs = ops.madd_peak(iterations)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, CLOCK() - start)
     data = torch.ones((16 if quick else 256) << 18)  # 16 or 256 MiB of float32
     seconds = best_time(lambda: ops.read_stream(data), 1 if quick else 3, 0.0 if quick else 0.5)
     return macs / best, data.numel() * 4 / seconds
@@ -219,6 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="GEMM row counts (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timed round per measurement")
+    p.add_argument("--per-core", action="store_true", help="one thread, timed by its CPU time (for a shared machine)")
     p.add_argument("--quick", action="store_true", help="small shapes, one short round: a smoke test in seconds")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", help="write every figure to this file")
@@ -231,7 +238,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from engine.native import available_isas, native_ops
 
+    global CLOCK
     args = parse_args(argv)
+    if args.per_core:
+        torch.set_num_threads(1)
+        CLOCK = time.thread_time
     ops = native_ops()
     if ops is None:
         print("the native step is not built (make install builds it): nothing to measure")
@@ -242,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise SystemExit(f"this CPU cannot run the {', '.join(missing)} kernels (it can run: {', '.join(runnable)})")
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; variants: {', '.join(variants)}"
+    clock = "per core, thread CPU time" if args.per_core else "wall time"
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads ({clock}); variants: {', '.join(variants)}"
           f" (not runnable here: {', '.join(v for v in ('avx512', 'avx2', 'baseline') if v not in runnable) or 'none'})")
     report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "variants": {}}
     for variant in variants:

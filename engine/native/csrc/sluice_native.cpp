@@ -46,12 +46,16 @@ inline vi load_s8x32_as_s16(const signed char* p) {
 // The 16-lane GEMMs: one zmm per tile, 32 registers hold the 8-row micro-kernel.
 constexpr bool USE_GEMM8 = false;
 constexpr int GEMM8_ROWS = 8;
-// 8-lane GEMM helpers (gemm8.inc), AVX2 instructions.
+typedef vf attn_vec;
+constexpr int ATTN_REGS = 32;
+// 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
+inline vi8 madd8(vi8 w, vi8 x) { return (vi8)_mm256_madd_epi16((__m256i)w, (__m256i)x); }
 inline vi8 madd_bcast8(vi8 w, const short* x) {
   int pair;
   __builtin_memcpy(&pair, x, 4);
-  return (vi8)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(pair));
+  return madd8(w, (vi8){} + pair);
 }
+inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
@@ -122,12 +126,16 @@ inline void store_s16x16(short* p, vi v) {
 // 16 ymm: 4 rows' integer and float accumulators (8) + the weights, their unpacked pair and the mask.
 constexpr bool USE_GEMM8 = true;
 constexpr int GEMM8_ROWS = 4;
-// 8-lane GEMM helpers (gemm8.inc), AVX2 instructions.
+typedef vf8 attn_vec;  // one ymm
+constexpr int ATTN_REGS = 16;
+// 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
+inline vi8 madd8(vi8 w, vi8 x) { return (vi8)_mm256_madd_epi16((__m256i)w, (__m256i)x); }
 inline vi8 madd_bcast8(vi8 w, const short* x) {
   int pair;
   __builtin_memcpy(&pair, x, 4);
-  return (vi8)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(pair));
+  return madd8(w, (vi8){} + pair);
 }
+inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
@@ -191,13 +199,24 @@ inline void store_s16x16(short* p, vi v) {
 typedef int vi4 __attribute__((vector_size(16)));
 constexpr bool USE_GEMM8 = true;
 constexpr int GEMM8_ROWS = 2;
+typedef vf8 attn_vec;  // two xmm
+constexpr int ATTN_REGS = 8;
+inline vi8 madd8(vi8 w, vi8 x) {
+  const vi4 lo = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 0, 1, 2, 3),
+                                     (__m128i)__builtin_shufflevector(x, x, 0, 1, 2, 3));
+  const vi4 hi = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 4, 5, 6, 7),
+                                     (__m128i)__builtin_shufflevector(x, x, 4, 5, 6, 7));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+}
 inline vi8 madd_bcast8(vi8 w, const short* x) {
   int pair;
   __builtin_memcpy(&pair, x, 4);
-  const __m128i p = _mm_set1_epi32(pair);
-  const vi4 lo = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 0, 1, 2, 3), p);
-  const vi4 hi = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 4, 5, 6, 7), p);
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
+  return madd8(w, (vi8){} + pair);
+}
+inline vu8 load_u16x8(const unsigned short* p) {
+  vu8 v;
+  for (int i = 0; i < 8; i++) v[i] = p[i];
+  return v;
 }
 inline vf8 load_f16x8(const unsigned short* p) {
   vf8 v;
