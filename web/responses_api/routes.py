@@ -57,8 +57,10 @@ async def create_response() -> Response:
     with admit(s, entry, 1) as reservation:
         try:
             prepared = await s.engine.prepare_chat(builder.id, plan.messages, params, **plan.template_kwargs)
-        except InvalidRequest as error:  # the input processor names the chat path's parameter
-            raise APIError(400, error.message, param="input" if error.param == "messages" else error.param) from None
+        except InvalidRequest as error:  # the input processor names the chat path's parameter, "messages"
+            if error.param != "messages":
+                raise
+            raise APIError(400, error.message.replace("the messages", "the input"), param="input") from None
         (stream,) = submit(s, reservation, [prepared])
     timer = RequestTimer(s.metrics, stream)
     if body.stream:
