@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
 from web.responses_api.conversation import Item, function_call, function_call_output, message
-from web.schemas import _TYPE_TAG, StrictModel  # _TYPE_TAG: union members pydantic puts in `loc`
+from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel  # _TYPE_TAG: union members pydantic puts in `loc`
 from web.strict_schema import closed_objects
 from web.tool_calls import FunctionTool
 
@@ -52,19 +52,14 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[ContentPart]
 
 
-class FunctionToolSpec(BaseModel):
-    model_config = StrictModel
+class FunctionToolSpec(FunctionSpec):
+    """The Responses API's function tool: the chat API's function spec, flat beside its type."""
+
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the arguments are constrained whenever a call is: strict or not
 
 
-class FunctionChoice(BaseModel):
-    model_config = StrictModel
+class FunctionChoice(NamedFunction):
     type: Literal["function"]
-    name: str
 
 
 class TextFormat(BaseModel):
