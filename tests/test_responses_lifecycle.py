@@ -33,7 +33,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv(tmp_path: Path) -> None:
 
 def test_a_drain_ends_each_open_stream_with_one_terminal_event(tmp_path: Path) -> None:
     config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
-    server = ThreadedServer(llm_engine_loader(config), served_model_name=MODEL, drain_timeout=0.3)
+    server = ThreadedServer(llm_engine_loader(config), served_model_name=MODEL, drain_timeout=3.0)
     with server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         started = [threading.Event() for _ in range(3)]
