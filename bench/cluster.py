@@ -44,14 +44,14 @@ def cpu_name() -> str:
 
 
 async def throughput(target: Target, num_streams: int, output_tokens: int) -> dict[str, Any]:
-    specs = build_workload(num_streams * 2, LengthDist.parse("128"), LengthDist.parse(str(output_tokens)), seed=1)
+    specs = build_workload(num_streams, LengthDist.parse("128"), LengthDist.parse(str(output_tokens)), seed=1)
     level = await run_level(target, specs, LoadShape("closed", num_streams), RequestOptions(), health_interval=None)
     s = level.summary()
     return {"output_tok_s": s["output_tokens_per_s"], "completed": s["completed"], "errors": s["errors"]}
 
 
 async def front_overhead(target: Target, num_streams: int) -> dict[str, Any]:
-    specs = build_workload(num_streams * 2, LengthDist.parse("64"), LengthDist.parse("32"), seed=2)
+    specs = build_workload(num_streams, LengthDist.parse("64"), LengthDist.parse("8"), seed=2)
     level = await run_level(target, specs, LoadShape("closed", num_streams), RequestOptions(), health_interval=0.05)
     s = level.summary()
     return {"headers_p99_s": s["admission_s"]["p99"], "health_p99_s": s["health_s"]["p99"],

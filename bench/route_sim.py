@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from web.cluster.router import Router, prompt_block_hashes
+from web.cluster.router import BALANCE_ABS, BALANCE_REL, MIN_MATCH_SHARE, Router, prompt_block_hashes
 
 POLICIES = ("affine", "round_robin", "least_loaded")
 BLOCK_SIZE = 16
@@ -85,8 +85,8 @@ class ReplicaCache:
 
 
 def simulate(trace: list[Conversation], num_replicas: int, policy: str, kv_blocks: int,
-             prefill_tok_s: float, decode_tok_s: float) -> dict[str, float]:  # fmt: skip
-    router = Router(policy, num_replicas, memory_blocks=kv_blocks * num_replicas)
+             prefill_tok_s: float, decode_tok_s: float, **thresholds: float) -> dict[str, float]:  # fmt: skip
+    router = Router(policy, num_replicas, memory_blocks=kv_blocks * num_replicas, **thresholds)  # type: ignore[arg-type]
     caches = [ReplicaCache(kv_blocks) for _ in range(num_replicas)]
     in_flight = [0] * num_replicas
     work = [0.0] * num_replicas
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-tok-s", type=float, default=2000.0)
     parser.add_argument("--decode-tok-s", type=float, default=20.0, help="one stream's decode rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--balance-abs", type=int, default=BALANCE_ABS, help="the router's threshold to try")
+    parser.add_argument("--balance-rel", type=float, default=BALANCE_REL)
+    parser.add_argument("--min-match-share", type=float, default=MIN_MATCH_SHARE)
     parser.add_argument("--out", type=Path, default=Path("bench/results/route_sim.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/results/route_sim.png"))
     args = parser.parse_args(argv)
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         num_conversations = args.conversations_per_replica * n
         trace = make_trace(num_conversations, num_conversations * args.horizon_per_conversation, args.seed)
         for policy in POLICIES:
-            result = simulate(trace, n, policy, args.kv_blocks, args.prefill_tok_s, args.decode_tok_s)
+            result = simulate(trace, n, policy, args.kv_blocks, args.prefill_tok_s, args.decode_tok_s,
+                              balance_abs=args.balance_abs, balance_rel=args.balance_rel,
+                              min_match_share=args.min_match_share)  # fmt: skip
             results[policy][str(n)] = result
             print(f"{n:3d} replicas {num_conversations:5d} conversations  {policy:12s}  hit rate "
                   f"{result['hit_rate']:.3f}  load spread {result['load_spread']:.2f}", file=sys.stderr)  # fmt: skip
