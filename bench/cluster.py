@@ -61,7 +61,7 @@ async def front_overhead(target: Target, num_streams: int) -> dict[str, Any]:
 async def measure(name: str, extra: list[str], args: argparse.Namespace, phases: set[str]) -> dict[str, Any]:
     port = servers.free_port()
     target = Target(name, f"http://127.0.0.1:{port}/v1", model=None)
-    command = servers.sluice_command(port, args.model, extra)
+    command = servers.sluice_command(port, args.model, extra + args.server_args.split())
     results: dict[str, Any] = {"args": extra}
     with ExitStack() as stack:
         await servers.start_ready(name, command, target, LOG_DIR, stack, timeout=args.start_timeout)
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         field_name = {"users": "num_users", "turns": "num_turns"}.get(name, name)
         default = getattr(shape, field_name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"(default: {default})")
+    parser.add_argument("--server-args", default="", help="more flags for every server, e.g. '--dtype float32'")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=servers.REPO_ROOT / "bench" / "results" / "cluster.json")
     args = parser.parse_args(argv)
