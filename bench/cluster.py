@@ -51,7 +51,8 @@ async def throughput(target: Target, num_streams: int, output_tokens: int) -> di
 
 
 async def front_overhead(target: Target, num_streams: int) -> dict[str, Any]:
-    specs = build_workload(num_streams, LengthDist.parse("64"), LengthDist.parse("8"), seed=2)
+    # Long enough for the /health prober (a process of its own, slow to start on a busy machine) to sample it.
+    specs = build_workload(num_streams * 4, LengthDist.parse("64"), LengthDist.parse("32"), seed=2)
     level = await run_level(target, specs, LoadShape("closed", num_streams), RequestOptions(), health_interval=0.05)
     s = level.summary()
     return {"headers_p99_s": s["admission_s"]["p99"], "health_p99_s": s["health_s"]["p99"],
