@@ -34,8 +34,8 @@ async def chat_completions() -> Response:
     s = services()
     data, entry = await receive_body(s)
     body = parse_request(ChatCompletionRequest, parse_json(data))
-    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
     params = body.to_sampling_params()
+    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
     choice, function_name = body.tool_choice_kind()
     messages = [m.as_template_dict() for m in body.messages]
     plan = plan_tools(s.tool_format, messages, body.function_tools(), choice, function_name,
@@ -54,12 +54,12 @@ async def completions() -> Response:
     s = services()
     data, entry = await receive_body(s)
     body = parse_request(CompletionRequest, parse_json(data))
+    params = body.to_sampling_params()
     fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage)
     prompts = body.prompts()
     if len(prompts) > s.config.max_pending:
         raise APIError(400, f"{len(prompts)} prompts: at most max_pending ({s.config.max_pending}) per request",
                        param="prompt")  # fmt: skip
-    params = body.to_sampling_params()
     with admit(s, entry, len(prompts)) as reservation:
         if len(prompts) == 1 and not body.echo:
             prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
