@@ -65,6 +65,9 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)  # "" = open; else keys separated by commas
     metrics_need_key: bool = True  # with keys set, /metrics needs one too
     cors_origins: str = ""  # "" = no cross-origin access; "*" or origins separated by commas
+    responses_store_max_count: int = 10_000  # /v1/responses kept for GET and previous_response_id
+    responses_store_max_bytes: int = 256 * 1024 * 1024
+    responses_store_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         if any(not key or key != key.strip() for key in self.api_keys):
@@ -83,6 +86,8 @@ class ServerConfig:
             raise ValueError("step_timeout and client_read_timeout must be > 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.responses_store_max_count < 0 or self.responses_store_max_bytes < 0 or self.responses_store_ttl <= 0:
+            raise ValueError("responses_store_max_count and _max_bytes must be >= 0, responses_store_ttl > 0")
 
     @property
     def api_keys(self) -> tuple[str, ...]:

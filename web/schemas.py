@@ -124,16 +124,8 @@ class SamplingFields(RequestBody):
     ) -> SamplingParams:
         """InvalidRequest (400, naming the parameter) for values the engine cannot honour. wire_names: the
         request's names of SamplingParams fields it spells otherwise (max_completion_tokens, top_logprobs)."""
-        try:
-            return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
-        except InvalidRequest as error:
-            wire_name = (wire_names or {}).get(error.param or "")
-            if wire_name is None:
-                raise
-            raise InvalidRequest(error.message.replace(str(error.param), wire_name), wire_name) from None
-
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
+        return checked_sampling_params(
+            wire_names or {},
             max_tokens=max_tokens,
             min_tokens=_default(self.min_tokens, 0),
             temperature=_default(self.temperature, 1.0),
@@ -368,6 +360,18 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\-].*)$")
 def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     parts = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.match(p)]
     return ".".join(parts) or None
+
+
+def checked_sampling_params(wire_names: dict[str, str], **values: Any) -> SamplingParams:
+    """SamplingParams(**values), whose InvalidRequest names the parameter as the request spells it (wire_names:
+    SamplingParams' field -> the request's name, where they differ)."""
+    try:
+        return SamplingParams(**values)
+    except InvalidRequest as error:
+        wire_name = wire_names.get(error.param or "")
+        if wire_name is None:
+            raise
+        raise InvalidRequest(error.message.replace(str(error.param), wire_name), wire_name) from None
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -64,9 +64,12 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
 
 
 def sse_response(outputs: OutputStream, fmt: ResponseFormat, timer: RequestTimer) -> Response:
-    # A client that leaves before Quart starts iterating leaves the generator unstarted: collected with it, the
-    # output stream aborts its request.
-    response = Response(stream_events(outputs, fmt, timer), status=200, content_type="text/event-stream",
-                        headers=SSE_HEADERS)  # fmt: skip
+    return event_stream_response(stream_events(outputs, fmt, timer))
+
+
+def event_stream_response(events: AsyncIterator[bytes]) -> Response:
+    """A streamed response of one request's events. A client that leaves before Quart starts iterating leaves
+    the generator unstarted: collected with it, the request's output stream aborts the request."""
+    response = Response(events, status=200, content_type="text/event-stream", headers=SSE_HEADERS)
     response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut a long stream silently
     return response
