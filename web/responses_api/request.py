@@ -12,7 +12,8 @@ from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
 from web.responses_api.conversation import Item, function_call, function_call_output, message
-from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params  # _TYPE_TAG: union members pydantic puts in `loc`
+# _TYPE_TAG: union members pydantic puts in `loc`
+from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params
 from web.strict_schema import closed_objects
 from web.tool_calls import FunctionTool
 
