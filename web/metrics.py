@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from engine.async_engine import EngineStats
 from engine.request import Request
 from engine.outputs import FinishReason, RequestOutput
+from web.cluster.metrics import ClusterMetrics
+from web.cluster.stats import ClusterStats
 
 # Fine below 1 ms: the admission decision is meant to take well under a millisecond.
 ADMISSION_BUCKETS = (
@@ -44,8 +46,13 @@ class ServerMetrics:
         self.aborted = Counter("sluice_requests_aborted", "Requests ended by abort (disconnect or drain)", registry=r)
         self.failed = Counter("sluice_requests_failed", "Requests ended by an engine error", registry=r)
         self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length", registry=r)
+        self._cluster: ClusterMetrics | None = None  # with --replicas: the replicas one by one
 
     def render(self, stats: EngineStats) -> bytes:
+        if isinstance(stats, ClusterStats):
+            if self._cluster is None:
+                self._cluster = ClusterMetrics(self.registry)
+            self._cluster.update(stats)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.pending.set(stats.pending)
