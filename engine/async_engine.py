@@ -33,7 +33,7 @@ from engine.batch import StepOutput
 from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
 from engine.outputs import FinishReason, RequestOutput
-from engine.request import OutputStream, Request, RequestState
+from engine.request import OutputStream, Request, RequestState, abort_abandoned
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -393,15 +393,7 @@ class AsyncEngine:
                 self._stop_requested = True
                 self._abandon_forward()
                 return
-            for request in list(self._requests.values()):
-                if request.is_reader_gone:  # its OutputStream was collected without being closed
-                    self.abort(request.request_id)
-                elif request.unread_since is not None and now - request.unread_since > self.client_read_timeout:
-                    logger.info("request %s: output unread for %.0f s; aborting it", request.request_id,
-                                now - request.unread_since)  # fmt: skip
-                    self.abort(request.request_id)
-                    if request.on_read_timeout is not None:
-                        request.on_read_timeout()
+            abort_abandoned(self._requests.values(), self.client_read_timeout, self.abort)
 
     # -- drain ----------------------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:

@@ -25,14 +25,17 @@ The reader's contract (OutputStream, what AsyncEngine.generate() returns):
 from __future__ import annotations
 
 import enum
+import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import anyio
 
 from engine.input_processor import PreparedRequest
 from engine.outputs import FinishReason, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class RequestState(enum.Enum):
@@ -161,6 +164,21 @@ class Request:
         self.is_reader_gone = True
         self._unread = {}
         self._ready.set()
+
+
+def abort_abandoned(requests: Iterable[Request], client_read_timeout: float, abort: Callable[[str], object]) -> None:
+    """The engine's watchdog: abort the requests whose reader is gone (its OutputStream collected unclosed) or
+    has left output unread for longer than client_read_timeout (and call that one's on_read_timeout)."""
+    now = time.monotonic()
+    for request in list(requests):
+        if request.is_reader_gone:
+            abort(request.request_id)
+        elif request.unread_since is not None and now - request.unread_since > client_read_timeout:
+            logger.info("request %s: output unread for %.0f s; aborting it", request.request_id,
+                        now - request.unread_since)  # fmt: skip
+            abort(request.request_id)
+            if request.on_read_timeout is not None:
+                request.on_read_timeout()
 
 
 def _reader_collected(request: Request) -> None:

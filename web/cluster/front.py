@@ -30,7 +30,7 @@ from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reser
 from engine.config import SluiceConfig
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.outputs import FinishReason
-from engine.request import OutputStream, Request
+from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
 from web.cluster.router import Router, prompt_block_hashes
 from web.cluster.stats import ClusterStats, ReplicaStats
@@ -284,17 +284,7 @@ class ClusterEngine:
 
     def _abort_unread(self) -> None:
         """A client that leaves its output unread past client_read_timeout is aborted, as by one process."""
-        now = time.monotonic()
-        for flight in list(self._requests.values()):
-            request = flight.request
-            if request.is_reader_gone:  # its OutputStream was collected without being closed
-                self.abort(request.request_id)
-            elif request.unread_since is not None and now - request.unread_since > self.client_read_timeout:
-                logger.info("request %s: output unread for %.0f s; aborting it", request.request_id,
-                            now - request.unread_since)  # fmt: skip
-                self.abort(request.request_id)
-                if request.on_read_timeout is not None:
-                    request.on_read_timeout()
+        abort_abandoned([flight.request for flight in self._requests.values()], self.client_read_timeout, self.abort)
 
     # -- one request ----------------------------------------------------------------------------------------
     def queue(self, shell: Request, request: PreparedRequest) -> OutputStream:
