@@ -82,7 +82,7 @@ class ResponsesRequest(BaseModel):
     model_config = StrictModel
 
     model: str
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    input: str | list[Any]  # items are checked one by one (input_items), to name the one at fault
     instructions: str | None = None
     max_output_tokens: int | None = None  # the ranges of these three are SamplingParams' (one rule)
     temperature: float | None = None
@@ -120,6 +120,8 @@ class ResponsesRequest(BaseModel):
                 raise APIError(400, f"include {value!r} is not supported by this server", param="include")
         if isinstance(self.input, str) and not self.input:
             raise APIError(400, "input must not be empty", param="input")
+        if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
+            raise APIError(400, f"input has {len(self.input)} items, at most {MAX_INPUT_ITEMS}", param="input")
         self._check_metadata()
         fmt = self.text_format()
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
@@ -233,7 +235,9 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-def _input_item(raw: dict[str, Any], where: str) -> Item:
+def _input_item(raw: Any, where: str) -> Item:
+    if not isinstance(raw, dict):
+        raise APIError(400, f"{where}: an input item must be an object, not {type(raw).__name__}", param=where)
     kind = raw.get("type", "message" if "role" in raw else None)
     if kind == "message":
         item = _validate(MessageItem, raw, where)
