@@ -12,7 +12,8 @@ from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
 from web.responses_api.conversation import Item, function_call, function_call_output, message
-from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel  # _TYPE_TAG: union members pydantic puts in `loc`
+# _TYPE_TAG: union members pydantic puts in `loc`
+from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params
 from web.strict_schema import closed_objects
 from web.tool_calls import FunctionTool
 
@@ -83,9 +84,9 @@ class ResponsesRequest(BaseModel):
     model: str
     input: str | list[Any]  # items are checked one by one (input_items), to name the one at fault
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = None  # the ranges of these three are SamplingParams' (one rule)
+    temperature: float | None = None
+    top_p: float | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
@@ -197,7 +198,8 @@ class ResponsesRequest(BaseModel):
 
     def to_sampling_params(self) -> SamplingParams:
         """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
-        return SamplingParams(
+        return checked_sampling_params(
+            {"max_tokens": "max_output_tokens"},
             max_tokens=self.max_output_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
