@@ -216,6 +216,8 @@ BAD_BODIES = [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
+    ({"input": [1, 2]}, "input[0]"),
+    ({"input": [{"role": "user", "content": "a"}] * 5000}, "input"),
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
@@ -223,6 +225,7 @@ BAD_BODIES = [
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_object"}}, "tools": TOOLS}, "text.format"),
     ({"input": "x" * 100_000}, "input"),
+    ({"input": "日本語 " * 200_000}, "input"),  # 3.8 MB of JSON: longer than the context, not too many "items"
 ]  # fmt: skip
 
 
