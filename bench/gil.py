@@ -32,8 +32,9 @@ async def measure(args: argparse.Namespace) -> None:
     engine = llm.engine
     runner = engine.runner
     inside = [0.0]
-    for name in ("forward", "compute_logits") if runner.native is not None else ():
-        fn = getattr(runner.native, name)
+    backend = runner.backend
+    for name in ("forward", "compute_logits"):
+        fn = getattr(backend, name)
 
         def timed(*a, _fn=fn, **kw):
             start = time.perf_counter()
@@ -42,8 +43,7 @@ async def measure(args: argparse.Namespace) -> None:
             finally:
                 inside[0] += time.perf_counter() - start
 
-        setattr(runner.native, name, timed)
-    runner.compute_logits = runner.native.compute_logits if runner.native is not None else runner.compute_logits
+        setattr(backend, name, timed)
     prompts = make_prompts(engine.tokenizer, args.streams, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -69,7 +69,7 @@ async def measure(args: argparse.Namespace) -> None:
             steps += 1
         done.set()
     wall = time.perf_counter() - start
-    print(f"native step: {runner.native is not None}; {args.streams} streams decoding, {steps} steps, "
+    print(f"{backend.name} step; {args.streams} streams decoding, {steps} steps, "
           f"{wall / steps * 1000:.1f} ms a step")
     print(f"time inside the forward pass and logits calls: {inside[0] / wall * 100:.1f}% of the wall time")
     print(f"event-loop lag (ms, {len(lags)} samples): p50 {statistics.median(lags):.2f}  p99 {percentile(lags, 0.99):.2f}  "

@@ -13,6 +13,8 @@ import gc
 import time
 from collections.abc import Callable
 
+from pathlib import Path
+
 import torch
 
 WORDS = (
@@ -64,8 +66,12 @@ def bench_transformers(args, model_dir: str, prompts: list[list[int]]) -> dict[s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = Path(model_dir)
+    # a GGUF: transformers dequantises it itself (the same values Sluice reads)
+    where = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if path.suffix == ".gguf" else {
+        "pretrained_model_name_or_path": path}
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(**where)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(batch: list[list[int]], max_tokens: int) -> None:
@@ -97,7 +103,7 @@ def main() -> None:
     from engine import LLM
 
     llm = LLM(dtype=args.dtype, max_num_seqs=max(args.num_requests, 1), enable_prefix_caching=False)
-    model_dir = str(llm.engine.model_dir)
+    model_dir = str(llm.engine.model_path)
     prompts = make_prompts(llm.tokenizer, args.num_requests, args.prompt_tokens)
     sluice = bench_sluice(args, llm, prompts)
     del llm

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fork import choice_params, fork_point
 from engine.input_processor import InputProcessor, Prompt, PreparedRequest
-from engine.models.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import GrammarViolation, OutputProcessor
 from engine.outputs import FinishReason, RequestOutput
@@ -44,7 +44,7 @@ class LLMEngine:
         self.config = config
         loaded = loaded or load_model(config)
         self.model_name = loaded.name
-        self.model_dir = loaded.model_dir
+        self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
+from engine.loader import load_model
 from engine.native import native_ops
 from engine.native.packing import dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference, q8_reference
 
@@ -103,11 +103,11 @@ def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes
     config = EngineConfig(model=str(grid_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=96)
     sampler = RecordingSampler()
     runner = ModelRunner(load_model(config), config, sampler=sampler)
-    assert runner.native is not None
+    assert runner.backend.name == "native"
     if cache_dtype != runner.dtype:  # the kernels read either; the engine allocates its dtype's (bfloat16)
-        for cache in runner.kv_caches:
-            cache.k, cache.v = cache.k.to(cache_dtype), cache.v.to(cache_dtype)
-        runner.native.set_kv_caches([c.k for c in runner.kv_caches], [c.v for c in runner.kv_caches])
+        runner.k_caches = [k.to(cache_dtype) for k in runner.k_caches]
+        runner.v_caches = [v.to(cache_dtype) for v in runner.v_caches]
+        runner.backend.bind_kv_caches(runner.k_caches, runner.v_caches)
     reference = AutoModelForCausalLM.from_pretrained(grid_llama_dir, dtype=torch.float32).eval()
 
     run = ParityRun(runner, sampler)
@@ -144,7 +144,7 @@ def test_greedy_output_is_the_same_alone_batched_cached_and_chunked_tiny(grid_ll
         settings = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, **overrides)
         return LLM(str(grid_llama_dir), **settings)
 
-    assert make().engine.runner.native is not None
+    assert make().engine.runner.backend.name == "native"
     alone, *others = greedy_runs(make, prompts)
     for other in others:
         assert other == alone
@@ -159,12 +159,12 @@ def test_default_model_greedy_matches_transformers_and_is_batch_invariant() -> N
         return LLM("", block_size=4, num_kv_blocks=1024, max_num_seqs=8, **overrides)
 
     llm = make()
-    assert llm.engine.runner.native is not None
+    assert llm.engine.runner.backend.name == "native"
     prompts = [llm.engine.input_processor.encode_prompt(t) for t in texts]
     runs = greedy_runs(make, prompts)
     for run in runs[1:]:
         assert run == runs[0]
-    refs = [hf_greedy(llm.engine.model_dir, p, GREEDY.max_tokens) for p in prompts]
+    refs = [hf_greedy(llm.engine.model_path, p, GREEDY.max_tokens) for p in prompts]
     assert runs[0] == refs
 
 
@@ -175,7 +175,7 @@ def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid
         with caplog.at_level(logging.WARNING, logger="engine.native"):
             llm = LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64)
             LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64)
-        assert llm.engine.runner.native is None
+        assert llm.engine.runner.backend.name == "eager"
         assert sum("SLUICE_NATIVE=0" in r.getMessage() for r in caplog.records) == 1  # said once
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
         assert len(out.token_ids) == 4
@@ -187,18 +187,18 @@ def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid
 
 def test_bad_step_inputs_are_refused_not_read_out_of_bounds(grid_llama_dir: Path) -> None:
     config = EngineConfig(model=str(grid_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=8)
-    native = ModelRunner(load_model(config), config).native
+    native = ModelRunner(load_model(config), config).backend
     ids, pos = torch.tensor([1, 2]), torch.tensor([0, 1])
     tables = torch.tensor([[0]], dtype=torch.int32)
     rows = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="token id"):
-        native.forward(torch.tensor([1, 10**6]), pos, pos, rows, tables)
+        native.run_tokens(torch.tensor([1, 10**6]), pos, pos, rows, tables)
     with pytest.raises(RuntimeError, match="slot"):
-        native.forward(ids, pos, torch.tensor([0, 10**6]), rows, tables)
+        native.run_tokens(ids, pos, torch.tensor([0, 10**6]), rows, tables)
     with pytest.raises(RuntimeError, match="block table too short"):
-        native.forward(ids, torch.tensor([0, 40]), pos, rows, tables)
+        native.run_tokens(ids, torch.tensor([0, 40]), pos, rows, tables)
     with pytest.raises(RuntimeError, match="block id"):
-        native.forward(ids, pos, pos, rows, torch.tensor([[99]], dtype=torch.int32))
+        native.run_tokens(ids, pos, pos, rows, torch.tensor([[99]], dtype=torch.int32))
 
 
 def test_missing_build_falls_back_with_a_warning(monkeypatch, tmp_path: Path, caplog) -> None:
@@ -234,7 +234,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path,
         pytest.skip(f"this CPU has no {isa}")
     block_size, num_seqs = 5, 9
     config = EngineConfig(model=str(grid_llama_dir), block_size=block_size, num_kv_blocks=128)
-    native = ModelRunner(load_model(config), config).native
+    native = ModelRunner(load_model(config), config).backend
     order = random.Random(0).sample(range(128), 128)
     lengths = [23 + 5 * s for s in range(num_seqs)]  # the decode token of the last lands at position 63
     tables = [order[s * 14 : (s + 1) * 14] for s in range(num_seqs)]  # 14 blocks: 70 positions each
@@ -247,7 +247,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path,
                 pos.append(p)
                 slots.append(tables[s][p // block_size] * block_size + p % block_size)
                 rows.append(row)
-        return native.forward(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+        return native.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
                               torch.tensor(rows, dtype=torch.int32),
                               torch.tensor([tables[s] for s in seqs], dtype=torch.int32))  # fmt: skip
 
