@@ -31,11 +31,12 @@ from engine.native.packing import (
     pack_q8,
     pack_q8_grid,
 )
-from engine.rope import rope_tables
+from engine.rope import layer_window, rope_tables
 from engine.step_backend import StepHidden
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-HEAD_DIMS = (16, 32, 64, 128)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+HEAD_DIMS = (16, 32, 64, 128, 256)
+UNIT_OFFSET_NORMS = ("gemma3_text",)  # norms scale by 1 + w (the stored w is Hugging Face's)
 Q4_EXACT = ("Q4_0", "Q4_1")  # the layers' Q4 layout holds these grids bit for bit
 Q8_EXACT = ("Q8_0", "Q4_0", "Q5_0")  # symmetric per-32 grids: q - offset fits int8, the scale float16
 
@@ -69,6 +70,8 @@ def unsupported_reason(cfg: Any, tensors: Mapping[str, StoredTensor]) -> str | N
         return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
     if "lm_head.bias" in tensors:
         return "lm_head has a bias"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
     return None
 
 
@@ -143,10 +146,13 @@ def _q8_matrix(tensor: StoredTensor, plan: PackPlan) -> Q8Packed:
         tensor.release()
 
 
-def _norm(tensor: StoredTensor) -> torch.Tensor:
+def _norm(tensor: StoredTensor | None, unit_offset: bool = False) -> torch.Tensor:
+    """A norm's float32 factor (1 + w for Gemma's), or an empty tensor for a norm the model does not have."""
+    if tensor is None:
+        return torch.empty(0)
     values = tensor.to_float().contiguous()
     tensor.release()
-    return values
+    return (1.0 + values).contiguous() if unit_offset else values
 
 
 class NativeBackend:
@@ -160,14 +166,33 @@ class NativeBackend:
         self.plan = PackPlan()
         embed = _q8_matrix(tensors["model.embed_tokens.weight"], self.plan)
         head = embed if "lm_head.weight" not in tensors else _q8_matrix(tensors["lm_head.weight"], self.plan)
-        cos, sin = rope_tables(cfg, head_dim, max_positions)
+        self.is_gemma = cfg.model_type in UNIT_OFFSET_NORMS
+        layer_types = list(getattr(cfg, "layer_types", None) or [None] * self.num_layers)
+        # the model's rope tables, and a layer type's own when the config gives it one (Gemma 3's sliding layers)
+        tables = {kind: rope_tables(cfg, head_dim, max_positions, kind) for kind in sorted(set(layer_types), key=str)}
+        cos, sin = tables[layer_types[-1]] if self.is_gemma else rope_tables(cfg, head_dim, max_positions)
         self.impl = ops.NativeLlama(
             cfg.hidden_size, cfg.intermediate_size, heads, kv_heads, head_dim, float(cfg.rms_norm_eps),
-            self.vocab_size, embed.qs, embed.scale, head.qs, head.scale, _norm(tensors["model.norm.weight"]),
-            cos.contiguous(), sin.contiguous(),
+            self.vocab_size, embed.qs, embed.scale, head.qs, head.scale,
+            _norm(tensors["model.norm.weight"], self.is_gemma), cos.contiguous(), sin.contiguous(),
         )  # fmt: skip
+        if self.is_gemma:
+            cap = getattr(cfg, "final_logit_softcapping", None) or 0.0
+            attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5
+            self.impl.set_model_options(float(cfg.hidden_size) ** 0.5, attn_scale, True, float(cap))
         for i in range(self.num_layers):
-            self._add_layer(tensors, f"model.layers.{i}.")
+            prefix = f"model.layers.{i}."
+            self._add_layer(tensors, prefix)
+            layer_cos, layer_sin = tables[layer_types[i]] if self.is_gemma else (cos, sin)
+            own = layer_cos is not cos
+            self.impl.set_layer_options(
+                i, _norm(tensors.get(prefix + "self_attn.q_norm.weight"), self.is_gemma),
+                _norm(tensors.get(prefix + "self_attn.k_norm.weight"), self.is_gemma),
+                _norm(tensors.get(prefix + "post_attention_layernorm.weight") if self.is_gemma else None, True),
+                _norm(tensors.get(prefix + "post_feedforward_layernorm.weight"), True),
+                layer_cos.contiguous() if own else torch.empty(0), layer_sin.contiguous() if own else torch.empty(0),
+                layer_window(cfg, i) or 0,
+            )  # fmt: skip
 
     def _add_layer(self, tensors: Mapping[str, StoredTensor], prefix: str) -> None:
         def linear(names: list[str]) -> list[torch.Tensor]:
@@ -178,8 +203,11 @@ class NativeBackend:
             p = _q4_linear(parts, biases if biases[0] is not None else None, self.plan)
             return [p.qs, p.scale, p.minv, p.bias]
 
+        # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention
+        before_mlp = "pre_feedforward_layernorm" if self.is_gemma else "post_attention_layernorm"
         self.impl.add_layer(
-            _norm(tensors[prefix + "input_layernorm.weight"]), _norm(tensors[prefix + "post_attention_layernorm.weight"]),
+            _norm(tensors[prefix + "input_layernorm.weight"], self.is_gemma),
+            _norm(tensors[prefix + before_mlp + ".weight"], self.is_gemma),
             linear(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), linear(["self_attn.o_proj"]),
             linear(["mlp.gate_proj", "mlp.up_proj"]), linear(["mlp.down_proj"]),
         )  # fmt: skip
