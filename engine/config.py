@@ -80,6 +80,9 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)  # "" = open; else keys separated by commas
     metrics_need_key: bool = True  # with keys set, /metrics needs one too
     cors_origins: str = ""  # "" = no cross-origin access; "*" or origins separated by commas
+    responses_store_max_count: int = 10_000  # /v1/responses kept for GET and previous_response_id
+    responses_store_max_bytes: int = 256 * 1024 * 1024
+    responses_store_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         if any(not key or key != key.strip() for key in self.api_keys):
@@ -98,6 +101,8 @@ class ServerConfig:
             raise ValueError("step_timeout and client_read_timeout must be > 0")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.responses_store_max_count < 0 or self.responses_store_max_bytes < 0 or self.responses_store_ttl <= 0:
+            raise ValueError("responses_store_max_count and _max_bytes must be >= 0, responses_store_ttl > 0")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -108,10 +113,27 @@ class ServerConfig:
         return tuple(o.strip() for o in self.cors_origins.split(",") if o.strip())
 
 
+ROUTING_POLICIES = ("affine", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    replicas: int = 0  # 0 = one process, no Ray; N = N engine replicas on Ray Serve behind this front
+    ray_address: str = ""  # "" = start a local Ray cluster; else join this one ("auto", "10.0.0.1:6379")
+    routing: str = "affine"  # one of ROUTING_POLICIES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
+            raise ValueError(f"replicas must be an integer >= 0, got {self.replicas!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+
+
 @dataclass(frozen=True)
 class SluiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def _coerce(cls: type, key: str, value: Any) -> Any:
@@ -144,6 +166,7 @@ def load_config(
     engine_overrides: dict[str, Any] | None = None,
     server_overrides: dict[str, Any] | None = None,
     environ: dict[str, str] | None = None,
+    cluster_overrides: dict[str, Any] | None = None,
 ) -> SluiceConfig:
     """Read config.toml, then SLUICE_<KEY> environment variables, then explicit overrides (highest)."""
     path = Path(path) if path else DEFAULT_CONFIG_PATH
@@ -152,7 +175,11 @@ def load_config(
         with open(path, "rb") as f:
             data = tomllib.load(f)
     environ = os.environ if environ is None else environ
-    sections = {"engine": (EngineConfig, engine_overrides), "server": (ServerConfig, server_overrides)}
+    sections = {
+        "engine": (EngineConfig, engine_overrides),
+        "server": (ServerConfig, server_overrides),
+        "cluster": (ClusterConfig, cluster_overrides),
+    }
     built = {}
     for section, (cls, overrides) in sections.items():
         values = dict(data.get(section, {}))

@@ -10,6 +10,7 @@ from web.api_keys import install_api_keys
 from web.body_limit import BodyLimit
 from web.chat_page import blueprint as chat_page
 from web.cors import CORS
+from web.responses_api import blueprint as responses_api
 from web.errors import register_error_handlers
 from web.routes import blueprint
 from web.services import Services
@@ -30,6 +31,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
     register_error_handlers(app)
     install_api_keys(app, config)
     app.register_blueprint(blueprint)
+    app.register_blueprint(responses_api)
     app.register_blueprint(tokenizer_routes)
     app.register_blueprint(chat_page)
     return app

@@ -9,10 +9,10 @@ import os
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
-from engine.config import DEFAULT_CONFIG_PATH, EngineConfig, ServerConfig, SluiceConfig, load_config
+from engine.config import DEFAULT_CONFIG_PATH, ClusterConfig, EngineConfig, ServerConfig, SluiceConfig, load_config
 
-ConfigClass = type[EngineConfig] | type[ServerConfig]
-SECTIONS: dict[str, ConfigClass] = {"engine": EngineConfig, "server": ServerConfig}
+ConfigClass = type[EngineConfig] | type[ServerConfig] | type[ClusterConfig]
+SECTIONS: dict[str, ConfigClass] = {"engine": EngineConfig, "server": ServerConfig, "cluster": ClusterConfig}
 SECRET_KEYS = frozenset({"api_key"})  # never printed, not even in --help
 METAVARS = {bool: "BOOL", int: "N", float: "X", str: "TEXT"}
 
@@ -39,7 +39,7 @@ def _default_of(f: Field) -> object:
     return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = ("engine", "server")) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = ("engine", "server", "cluster")) -> None:
     """--config plus one flag per key of the given sections (values stay strings: load_config coerces)."""
     parser.add_argument("--config", metavar="PATH", help=f"a config.toml (default: {DEFAULT_CONFIG_PATH})")
     docs = documented_keys()
@@ -75,5 +75,8 @@ def config_from_args(args: argparse.Namespace) -> SluiceConfig:
         for section, cls in SECTIONS.items()
     }
     return load_config(
-        values.get("config"), engine_overrides=overrides["engine"], server_overrides=overrides["server"]
+        values.get("config"),
+        engine_overrides=overrides["engine"],
+        server_overrides=overrides["server"],
+        cluster_overrides=overrides["cluster"],
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -13,6 +12,8 @@ from engine.async_engine import EngineStats
 from engine.request_stream import RequestStream
 from engine.outputs import FinishReason, RequestOutput
 from engine.speculative.stats import ProposerCounts
+from web.cluster.metrics import ClusterMetrics
+from web.cluster.stats import ClusterStats
 
 # Fine below 1 ms: the admission decision is meant to take well under a millisecond.
 ADMISSION_BUCKETS = (
@@ -50,8 +51,13 @@ class ServerMetrics:
         self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length", registry=r)
         self.speculation = SpeculationCollector()
         r.register(self.speculation)
+        self._cluster: ClusterMetrics | None = None  # with --replicas: the replicas one by one
 
     def render(self, stats: EngineStats) -> bytes:
+        if isinstance(stats, ClusterStats):
+            if self._cluster is None:
+                self._cluster = ClusterMetrics(self.registry)
+            self._cluster.update(stats)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.pending.set(stats.pending)

@@ -16,6 +16,7 @@ from engine.async_engine import EngineState, QueueFull, Reservation
 from engine.input_processor import PreparedRequest
 from engine.outputs import FinishReason
 from engine.request_stream import RequestStream
+from web.cluster.stats import ClusterStats
 from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
@@ -90,17 +91,17 @@ def model_card(s: Services, model_id: str | None = None) -> dict[str, Any]:
 @blueprint.get("/health")
 async def health() -> Response:
     stats = services().engine.stats()
-    return json_response(
-        {
-            "state": stats.state,
-            "waiting": stats.waiting,
-            "running": stats.running,
-            "pending": stats.pending,
-            "free_kv_blocks": stats.free_kv_blocks,
-            "total_kv_blocks": stats.total_kv_blocks,
-        },
-        200 if stats.state == EngineState.READY.value else 503,
-    )
+    body = {
+        "state": stats.state,
+        "waiting": stats.waiting,
+        "running": stats.running,
+        "pending": stats.pending,
+        "free_kv_blocks": stats.free_kv_blocks,
+        "total_kv_blocks": stats.total_kv_blocks,
+    }
+    if isinstance(stats, ClusterStats):
+        body["replicas"] = stats.replicas_body()
+    return json_response(body, 200 if stats.state == EngineState.READY.value else 503)
 
 
 @blueprint.get("/metrics")

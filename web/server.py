@@ -50,6 +50,10 @@ def hypercorn_config(server: ServerConfig) -> HypercornConfig:
 
 
 def build_engine(config: SluiceConfig) -> AsyncEngine:
+    if config.cluster.replicas:
+        from web.cluster.front import ClusterEngine  # the same face; Ray is imported when it starts
+
+        return ClusterEngine(config)  # type: ignore[return-value]
     from engine.llm_engine import LLMEngine  # torch: imported only when a server really starts
 
     server = config.server

@@ -11,6 +11,7 @@ from engine.config import ServerConfig
 from web.errors import APIError
 from web.logprobs import TokenText
 from web.metrics import ServerMetrics
+from web.responses_api.store import ResponseStore
 from web.tool_calls import ToolFormat, detect_tool_format
 
 
@@ -22,6 +23,12 @@ class Services:
     _token_text: TokenText | None = None
     _tool_format: ToolFormat | None = None
     _marker_tokens: dict[str, int] | None = None
+    response_store: ResponseStore = field(init=False)  # /v1/responses kept for GET and previous_response_id
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.response_store = ResponseStore(c.responses_store_max_count, c.responses_store_max_bytes,
+                                            c.responses_store_ttl)  # fmt: skip
 
     @property
     def model_name(self) -> str:

@@ -79,11 +79,15 @@ def _abort_soon(loop: asyncio.AbstractEventLoop, abort: Callable[[str], bool], r
 def sse_response(
     stream: RequestStream, fmt: ResponseFormat, timer: RequestTimer, abort: Callable[[str], bool]
 ) -> Response:
-    events = stream_events(stream, fmt, timer, abort)
+    return event_stream_response(stream_events(stream, fmt, timer, abort), stream.request_id, abort)
+
+
+def event_stream_response(events: AsyncIterator[bytes], request_id: str, abort: Callable[[str], bool]) -> Response:
+    """A streamed response of one request's events; `events` aborts the request in its own `finally`."""
     # If the client leaves before Quart starts iterating, the generator's `finally` never runs: abort when
     # it is collected instead, on the event-loop thread (the collector may run in the forward-pass thread).
     loop = asyncio.get_running_loop()
-    on_collect = weakref.finalize(events, _abort_soon, loop, abort, stream.request_id)
+    on_collect = weakref.finalize(events, _abort_soon, loop, abort, request_id)
     on_collect.atexit = False
     response = Response(events, status=200, content_type="text/event-stream", headers=SSE_HEADERS)
     response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut a long stream silently

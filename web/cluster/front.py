@@ -1,0 +1,418 @@
+"""The front's engine when the engines are replicas on Ray Serve: the same face the routes use on an AsyncEngine
+(reserve / submit / abort / stats / prepare_* / run / drain), so that the HTTP layer does not change.
+
+The front tokenizes and checks here (the replicas' tokenizer travels to it), routes each prepared request to
+one replica (web/cluster/router.py), and pumps that replica's deltas into a local RequestStream, which the
+SSE writer reads exactly as it reads a local engine's. Every request's stream ends once: the replica's finish,
+an abort (client gone, drain: the replica's stream is cancelled, which frees its KV before its next step), or
+an error event when the replica fails (its process died). A failed replica leaves the routing at once and
+rejoins when it answers again (Ray Serve restarts it; a new process forgets its prefix memory).
+Only the event-loop thread touches this state; Ray calls are awaited, never blocking the loop, except the
+start and the shutdown of Ray, which run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reservation
+from engine.config import SluiceConfig
+from engine.input_processor import InputProcessor, PreparedRequest, Prompt
+from engine.outputs import FinishReason
+from engine.request_stream import RequestStream
+from engine.sampling_params import SamplingParams
+from web.cluster.router import Router, prompt_block_hashes
+from web.cluster.stats import ClusterStats, ReplicaStats
+
+logger = logging.getLogger("sluice.cluster")
+T = TypeVar("T")
+
+POLL_INTERVAL = 0.2  # seconds between two reports of each replica's load
+POLL_TIMEOUT = 2.0  # a replica that does not answer within this leaves the routing until it does
+START_TIMEOUT = 900.0  # Ray's start plus every replica's model load and warm-up
+SHUTDOWN_TIMEOUT = 60.0
+REPLICA_FAILED = "the replica serving this request failed"
+REPLICA_FULL = "the replica chosen for this request was full (other fronts share it): retry"
+
+
+@dataclass(eq=False)
+class ReplicaSlot:
+    """One replica as the front sees it."""
+
+    index: int
+    handle: Any  # a Ray Serve DeploymentHandle
+    stats: ReplicaStats | None = None
+    is_ready: bool = False
+    num_in_flight: int = 0  # requests this front has sent there and not yet ended
+    num_restarts: int = 0
+    failed_at: float | None = None  # monotonic time of the last failure seen in one of its streams
+
+    @property
+    def load(self) -> int:
+        reported = self.stats.load if self.stats is not None else 0
+        return max(reported, self.num_in_flight)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    stream: RequestStream
+    slot: ReplicaSlot
+    scope: anyio.CancelScope
+
+
+class ClusterEngine:
+    def __init__(self, config: SluiceConfig, launch: Callable[[SluiceConfig], Any] | None = None) -> None:
+        """launch: starts Ray and the replicas and returns a handle with `.handles` and `.shutdown()`
+        (web/cluster/launch.py's, by default)."""
+        self.config = config
+        self.num_replicas = config.cluster.replicas
+        self.max_pending = config.server.max_pending
+        self.client_read_timeout = config.server.client_read_timeout
+        self._launch_fn = launch
+        self._launched: Any = None
+        self._state = EngineState.LOADING
+        self._slots: list[ReplicaSlot] = []
+        self._router: Router | None = None
+        self._processor: InputProcessor | None = None
+        self._model_name = ""
+        self._max_num_seqs = 0
+        self._block_size = 16
+        self._requests: dict[str, _InFlight] = {}
+        self._num_reserved = 0  # admission slots held by requests still being prepared (see Reservation)
+        self._tg: TaskGroup | None = None
+        self._stop = anyio.Event()
+        self._all_finished: anyio.Event | None = None
+        self._input_slot = anyio.CapacityLimiter(1)
+        self.is_forward_abandoned = False  # no forward pass runs in this process
+
+    # -- the face the routes use ---------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._processor is not None
+
+    @property
+    def model_name(self) -> str:
+        self._loaded()
+        return self._model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded().max_model_len
+
+    async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        return await self._off_loop(partial(self._ready().process_prompt, request_id, prompt, params))
+
+    async def prepare_chat(
+        self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
+    ) -> PreparedRequest:
+        processor = self._ready()
+        return await self._off_loop(partial(processor.process_chat, request_id, messages, params, **template_kwargs))
+
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._off_loop(partial(self._ready().encode_prompt, text, add_special_tokens=add_special_tokens))
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        return await self._off_loop(partial(self._ready().encode_chat, messages, **template_kwargs))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._off_loop(partial(self._ready().decode, token_ids))
+
+    def reserve(self, num_requests: int = 1) -> Reservation:
+        """Slots for requests about to be prepared: a replica takes max_num_seqs running plus max_pending
+        queued, as one process does; QueueFull (429) when the ready replicas together have no room."""
+        self._ready()
+        capacity = sum(self._capacity(s) for s in self._slots if s.is_ready)
+        num_held = len(self._requests) + self._num_reserved
+        if num_held + num_requests > capacity:
+            raise QueueFull(f"{num_held} requests are in flight or being prepared, for {capacity} places")
+        self._num_reserved += num_requests
+        return Reservation(self, num_requests)  # type: ignore[arg-type]  # it needs _enqueue and _num_reserved
+
+    def submit(self, request: PreparedRequest) -> RequestStream:
+        with self.reserve(1) as reservation:
+            return reservation.submit(request)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now ("abort"); its replica's stream is cancelled. Idempotent."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def stats(self) -> ClusterStats:
+        reported = [s.stats for s in self._slots if s.is_ready and s.stats is not None]
+        queries = sum(r.num_prefix_queries for r in reported)
+        router = self._router
+        return ClusterStats(
+            state=self._state.value,
+            waiting=sum(r.waiting for r in reported),
+            running=sum(r.running for r in reported),
+            pending=sum(r.pending for r in reported) + self._num_reserved,
+            free_kv_blocks=sum(r.free_kv_blocks for r in reported),
+            total_kv_blocks=sum(r.total_kv_blocks for r in reported),
+            prefix_cache_hit_rate=sum(r.num_prefix_hits for r in reported) / queries if queries else 0.0,
+            num_ready=sum(s.is_ready for s in self._slots),
+            routing=self.config.cluster.routing,
+            decisions=dict(router.decisions) if router is not None else {},
+            replicas=[_replica_body(s) for s in self._slots],
+        )
+
+    # -- start, run, drain ---------------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start Ray and the replicas (in a thread), wait for every replica, report started, then poll their
+        load until drained."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                await self._start()
+                if self._stop.is_set():
+                    return
+                self._state = EngineState.READY
+                logger.info("%d replicas ready, routing %s", self.num_replicas, self.config.cluster.routing)
+                task_status.started()
+                await self._poll_until_stopped()
+                tg.cancel_scope.cancel()
+        finally:
+            if self._state is not EngineState.DRAINING:
+                self._end_everything(FinishReason.ABORT)
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+            self._state = EngineState.STOPPED
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting (503), let the streams in flight on every replica finish within `timeout`, abort the
+        rest (each replica frees them), then stop the replicas and Ray."""
+        if self._state in (EngineState.READY, EngineState.LOADING):
+            self._state = EngineState.DRAINING
+        if self._requests:
+            self._all_finished = anyio.Event()
+            with anyio.move_on_after(timeout):
+                await self._all_finished.wait()
+        self._end_everything(FinishReason.ABORT)
+        self._stop.set()
+        await self._shutdown()
+
+    async def _start(self) -> None:
+        launch = self._launch_fn
+        if launch is None:
+            from web.cluster.launch import launch_replicas as launch  # Ray: imported only now
+        self._launched = await anyio.to_thread.run_sync(launch, self.config, abandon_on_cancel=True)
+        _take_back_signals()
+        self._slots = [ReplicaSlot(i, h) for i, h in enumerate(self._launched.handles)]
+        with anyio.fail_after(START_TIMEOUT):
+            while not self._stop.is_set() and not all(s.is_ready for s in self._slots):
+                self._launched.raise_if_failed()
+                await self._poll_once()
+                if not all(s.is_ready for s in self._slots):
+                    await anyio.sleep(POLL_INTERVAL)
+        if self._stop.is_set():
+            return
+        facts = await self._slots[0].handle.facts.remote()
+        self._model_name = self.config.server.served_model_name or facts.model_name
+        self._max_num_seqs = facts.max_num_seqs
+        self._block_size = facts.block_size
+        self._router = Router(
+            self.config.cluster.routing, self.num_replicas, memory_blocks=facts.num_kv_blocks * self.num_replicas
+        )
+        self._processor = InputProcessor(
+            facts.tokenizer, facts.vocab_size, facts.max_model_len, facts.eos_token_ids, facts.max_num_seqs
+        )
+
+    async def _shutdown(self) -> None:
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            with anyio.move_on_after(SHUTDOWN_TIMEOUT):
+                await anyio.to_thread.run_sync(launched.shutdown, abandon_on_cancel=True)
+
+    async def _poll_until_stopped(self) -> None:
+        while not self._stop.is_set():
+            with anyio.move_on_after(POLL_INTERVAL):
+                await self._stop.wait()
+            await self._poll_once()
+            self._abort_unread()
+
+    async def _poll_once(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for slot in self._slots:
+                tg.start_soon(self._poll, slot)
+
+    async def _poll(self, slot: ReplicaSlot) -> None:
+        asked_at = time.monotonic()
+        stats: ReplicaStats | None = None
+        with anyio.move_on_after(POLL_TIMEOUT):
+            try:
+                stats = await slot.handle.stats.remote()
+            except Exception as error:  # the replica is dead or restarting
+                logger.debug("replica %d: no report (%s)", slot.index, error)
+        if stats is None:
+            if slot.is_ready:
+                logger.warning("replica %d does not answer: it leaves the routing", slot.index)
+            slot.is_ready = False
+            return
+        if slot.failed_at is not None and slot.failed_at > asked_at:
+            return  # a stream failed while this report travelled: wait for a report from after the failure
+        if slot.stats is not None and stats.pid != slot.stats.pid:
+            slot.num_restarts += 1
+            if self._router is not None:
+                self._router.memory.forget(slot.index)
+            logger.info("replica %d restarted (pid %d -> %d)", slot.index, slot.stats.pid, stats.pid)
+        if not slot.is_ready and stats.state == EngineState.READY.value:
+            logger.info("replica %d ready (pid %d)", slot.index, stats.pid)
+        slot.stats = stats
+        slot.is_ready = stats.state == EngineState.READY.value
+        slot.failed_at = None
+
+    def _abort_unread(self) -> None:
+        """A client that leaves its output unread past client_read_timeout is aborted, as by one process."""
+        now = time.monotonic()
+        for flight in list(self._requests.values()):
+            stream = flight.stream
+            if stream.unread_since is not None and now - stream.unread_since > self.client_read_timeout:
+                logger.info("request %s: output unread for %.0f s; aborting it", stream.request_id,
+                            now - stream.unread_since)  # fmt: skip
+                self.abort(stream.request_id)
+                if stream.on_read_timeout is not None:
+                    stream.on_read_timeout()
+
+    # -- one request ----------------------------------------------------------------------------------------
+    def _enqueue(self, request: PreparedRequest) -> RequestStream:
+        """Route and start pumping (Reservation.submit calls this with a slot held)."""
+        self._ready()
+        router = self._router
+        assert router is not None and self._tg is not None
+        if request.request_id in self._requests:
+            from engine.errors import InvalidRequest
+
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        ready = [s for s in self._slots if s.is_ready]
+        with_room = [s for s in ready if s.num_in_flight < self._capacity(s)] or ready
+        hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size) if router.policy == "affine" else []
+        route = router.choose(hashes, {s.index: s.load for s in with_room})
+        if route is None:
+            raise EngineUnavailable(EngineState.LOADING)  # every replica left between reserve() and now
+        slot = self._slots[route.replica]
+        stream = RequestStream(request)
+        scope = anyio.CancelScope()
+        self._requests[request.request_id] = _InFlight(stream, slot, scope)
+        slot.num_in_flight += 1
+        # A grammar matcher cannot travel; the replica compiles its own from params.structured_outputs.
+        wire = replace(request, matcher=None) if request.matcher is not None else request
+        self._tg.start_soon(self._pump, wire, stream, slot, scope)
+        return stream
+
+    async def _pump(self, request: PreparedRequest, stream: RequestStream, slot: ReplicaSlot, scope: anyio.CancelScope) -> None:
+        responses = None
+        try:
+            with scope:
+                responses = slot.handle.options(stream=True).generate.remote(request)
+                async for output in responses:
+                    if not stream.push(output) or stream.is_finished:
+                        break
+                else:
+                    self._end(request.request_id, FinishReason.ERROR, REPLICA_FAILED)
+        except QueueFull:  # only when other fronts share this replica and filled it meanwhile
+            self._end(request.request_id, FinishReason.ERROR, REPLICA_FULL)
+        except Exception as error:
+            self._replica_failed(slot, error)
+            self._end(request.request_id, FinishReason.ERROR, REPLICA_FAILED)
+        finally:
+            if responses is not None and not stream.is_finished:
+                responses.cancel()  # the replica's generator gets CancelledError and frees the request
+            slot.num_in_flight -= 1
+            if stream.is_finished or stream.is_closed:
+                self._forget(request.request_id)
+
+    def _replica_failed(self, slot: ReplicaSlot, error: BaseException) -> None:
+        if slot.is_ready:
+            logger.error("replica %d failed a stream (%s): it leaves the routing until it answers again",
+                         slot.index, type(error).__name__)  # fmt: skip
+        slot.is_ready = False
+        slot.failed_at = time.monotonic()
+
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
+        flight = self._requests.get(request_id)
+        if flight is None or flight.stream.is_finished:
+            self._forget(request_id)
+            return False
+        flight.stream.end(reason, error)
+        flight.scope.cancel()
+        self._forget(request_id)
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None and not self._requests and self._all_finished:
+            self._all_finished.set()
+
+    def _end_everything(self, reason: FinishReason) -> None:
+        for request_id in list(self._requests):
+            self._end(request_id, reason)
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _capacity(self, slot: ReplicaSlot) -> int:
+        return self._max_num_seqs + self.max_pending
+
+    def _loaded(self) -> InputProcessor:
+        if self._processor is None:
+            raise EngineUnavailable(self._state)
+        return self._processor
+
+    def _ready(self) -> InputProcessor:
+        if self._state is not EngineState.READY or self._processor is None:
+            raise EngineUnavailable(self._state)
+        if not any(s.is_ready for s in self._slots):
+            raise EngineUnavailable(EngineState.LOADING)  # every replica is restarting
+        return self._processor
+
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(work, limiter=self._input_slot)
+
+
+def _take_back_signals() -> None:
+    """ray.init installs a native failure handler for SIGTERM that logs a stack and then kills the process: the
+    server's own handlers (drain first) are put back in front of it."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # a server in a thread (tests) takes no signals
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(signum)
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
+def _replica_body(slot: ReplicaSlot) -> dict[str, Any]:
+    stats = slot.stats
+    body: dict[str, Any] = {
+        "index": slot.index,
+        "ready": slot.is_ready,
+        "in_flight": slot.num_in_flight,
+        "restarts": slot.num_restarts,
+    }
+    if stats is not None:
+        body.update(
+            pid=stats.pid,
+            state=stats.state,
+            running=stats.running,
+            waiting=stats.waiting,
+            pending=stats.pending,
+            load=stats.load,
+            free_kv_blocks=stats.free_kv_blocks,
+            total_kv_blocks=stats.total_kv_blocks,
+            prefix_cache_hit_rate=round(stats.prefix_cache_hit_rate, 4),
+            prefix_queries=stats.num_prefix_queries,
+            prefix_hits=stats.num_prefix_hits,
+        )
+    return body

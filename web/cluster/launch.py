@@ -1,0 +1,88 @@
+"""Ray and the replicas: start (or join) a Ray cluster, deploy one Ray Serve application per replica slot, and
+stop them again. Blocking calls: the front runs them in a worker thread.
+
+One deployment per slot (rather than one deployment of N replicas) gives each replica a stable identity that
+the front's router and /health can name; Ray Serve still places each one on a node with room, health-checks
+it and replaces it when its process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.api import RunTarget
+
+from engine.config import SluiceConfig
+from web.cluster.replica import EngineReplica
+
+logger = logging.getLogger("sluice.cluster")
+APP_PREFIX = "sluice-replica-"
+
+
+def replica_config(config: SluiceConfig, num_cpus: int) -> SluiceConfig:
+    """Each replica's engine: num_threads = 0 means the local CPUs shared out between the replicas."""
+    threads = config.engine.num_threads or max(1, num_cpus // config.cluster.replicas)
+    return replace(config, engine=replace(config.engine, num_threads=threads))
+
+
+@dataclass
+class LaunchedCluster:
+    handles: list[Any]
+    started_ray: bool  # a local cluster this process started, and must stop
+
+    def raise_if_failed(self) -> None:
+        """A replica that cannot start (a bad model path, say) fails the start with its own message."""
+        status = serve.status().applications
+        for i in range(len(self.handles)):
+            app = status.get(f"{APP_PREFIX}{i}")
+            if app is not None and app.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"replica {i} failed to start: {app.message}")
+
+    def shutdown(self) -> None:
+        try:
+            serve.shutdown()
+        finally:
+            if self.started_ray:
+                ray.shutdown()
+
+
+def launch_replicas(config: SluiceConfig) -> LaunchedCluster:
+    cluster = config.cluster
+    started_ray = False
+    if not ray.is_initialized():
+        if cluster.ray_address:
+            ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
+        else:
+            # Local: no dashboard, every Ray port on the loopback interface; the CPUs of this machine.
+            ray.init(
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level=logging.WARNING,
+            )
+            started_ray = True
+    num_cpus = int(ray.available_resources().get("CPU", 1)) if cluster.ray_address else (os.cpu_count() or 1)
+    engine_config = replica_config(config, num_cpus)
+    serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False, "log_level": "WARNING"})
+    # A replica asks Ray for the CPUs it computes on; a share when there are more replicas than CPUs, so that
+    # e.g. 4 replicas of 1 thread still fit on a 2-CPU test machine.
+    actor_cpus = min(float(engine_config.engine.num_threads), max(num_cpus / cluster.replicas, 0.01))
+    targets = [
+        RunTarget(
+            EngineReplica.options(name=f"{APP_PREFIX}{i}", ray_actor_options={"num_cpus": actor_cpus}).bind(
+                engine_config, i
+            ),
+            name=f"{APP_PREFIX}{i}",
+            route_prefix=None,
+        )
+        for i in range(cluster.replicas)
+    ]
+    handles = serve.run_many(targets, wait_for_applications_running=False)
+    logger.info("deployed %d replicas (%d threads, %.2f CPUs each)", cluster.replicas,
+                engine_config.engine.num_threads, actor_cpus)  # fmt: skip
+    return LaunchedCluster(handles, started_ray)

@@ -1,0 +1,168 @@
+"""One engine replica: an AsyncEngine (its own KV pool and prefix cache) inside a Ray Serve deployment.
+
+The front sends it prepared requests (tokenized and checked there) and reads its deltas back through a
+streaming deployment handle. Cancelling that stream (the client left, or the front drains) raises
+CancelledError in generate(), which closes the request's stream: the engine frees it before its next step.
+A failed engine loop or a stalled step ends the process (exit code 1), as a single server would exit, and Ray
+Serve starts a replacement; check_health() reports the same state to Ray Serve's health checks.
+
+Imported only in Ray's worker processes and by the front's launcher, never without --replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from ray import serve
+
+from engine.async_engine import AsyncEngine, EngineState
+from engine.config import SluiceConfig
+from engine.input_processor import PreparedRequest
+from engine.outputs import RequestOutput
+from web.cluster.stats import ReplicaStats
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("sluice.replica")
+FAILURE_FLUSH_SECONDS = 0.5  # the ended streams' last deltas reach the front before the process exits
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFacts:
+    """What the front needs to prepare requests for this model: the tokenizer travels with it, so the front
+    needs no copy of the model's files."""
+
+    model_name: str
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int
+
+
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests=100_000,  # the front bounds admission (max_num_seqs + max_pending a replica)
+    health_check_period_s=2.0,
+    health_check_timeout_s=30.0,
+    graceful_shutdown_timeout_s=5.0,
+    logging_config={"enable_access_log": False, "log_level": "WARNING"},  # no line per call of every stream
+)
+class EngineReplica:
+    async def __init__(self, config: SluiceConfig, index: int) -> None:  # type: ignore[misc]
+        from engine.llm_engine import LLMEngine  # torch: in the replica's process only
+
+        logging.basicConfig(level=config.server.log_level.upper())
+        self.index = index
+        self.config = config
+        self._loaded: list[LLMEngine] = []
+
+        def load() -> LLMEngine:
+            self._loaded.append(LLMEngine(config.engine))
+            return self._loaded[-1]
+
+        server = config.server
+        self.engine = AsyncEngine(
+            load,
+            # The front bounds what it sends here to max_num_seqs running + max_pending queued; a burst may
+            # arrive between two steps, before the loop moves any of it to the scheduler, so this queue holds both.
+            max_pending=server.max_pending + config.engine.max_num_seqs,
+            step_timeout=server.step_timeout,
+            client_read_timeout=server.client_read_timeout,
+            on_forward_abandoned=partial(self._exit_soon, 2.0),
+        )
+        self._started = asyncio.Event()
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        await self._started.wait()  # Ray Serve counts the replica ready once its model is loaded and warm
+
+    async def _run(self) -> None:
+        def started(_: object = None) -> None:
+            self._started.set()
+
+        status = _Started(started)
+        try:
+            await self.engine.run(task_status=status)
+        except asyncio.CancelledError:
+            raise  # the replica is being shut down
+        except BaseException:
+            logger.exception("replica %d: the engine loop ended", self.index)
+        if self.engine.state in (EngineState.DEAD, EngineState.STALLED) or not self._started.is_set():
+            await asyncio.sleep(FAILURE_FLUSH_SECONDS)
+            self._exit_soon(0.0)
+
+    def _exit_soon(self, delay: float) -> None:
+        """The engine cannot serve again: end the process, and Ray Serve replaces it."""
+        asyncio.get_running_loop().call_later(delay, os._exit, 1)
+
+    @property
+    def _llm(self) -> LLMEngine:
+        return self._loaded[-1]
+
+    async def facts(self) -> ReplicaFacts:
+        llm = self._llm
+        return ReplicaFacts(
+            model_name=llm.model_name,
+            tokenizer=llm.tokenizer,
+            vocab_size=llm.vocab_size,
+            max_model_len=llm.max_model_len,
+            eos_token_ids=llm.eos_token_ids,
+            max_num_seqs=llm.config.max_num_seqs,
+            block_size=llm.config.block_size,
+            num_kv_blocks=llm.config.num_kv_blocks,
+        )
+
+    async def stats(self) -> ReplicaStats:
+        stats = self.engine.stats()
+        blocks = self._llm.block_manager
+        return ReplicaStats(
+            pid=os.getpid(),
+            state=stats.state,
+            running=stats.running,
+            waiting=stats.waiting,
+            pending=stats.pending,
+            free_kv_blocks=stats.free_kv_blocks,
+            total_kv_blocks=stats.total_kv_blocks,
+            num_prefix_queries=blocks.num_prefix_queries,
+            num_prefix_hits=blocks.num_prefix_hits,
+        )
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """The request's deltas, as the engine coalesces them; QueueFull when this replica is full."""
+        if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
+            compiler = self._llm.input_processor.grammar_compiler
+            request = replace(request, matcher=compiler.compile(request.params.structured_outputs))
+        stream = self.engine.submit(request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+            self.engine.abort(request.request_id)
+
+    async def drain(self, timeout: float) -> None:
+        await self.engine.drain(timeout)
+
+    def check_health(self) -> None:
+        state = self.engine.state
+        if state in (EngineState.DEAD, EngineState.STALLED):
+            raise RuntimeError(f"replica {self.index}: the engine is {state.value}")
+
+    async def __del__(self) -> None:
+        self._loop_task.cancel()
+
+
+class _Started:
+    """anyio's task_status for a loop started outside a task group."""
+
+    def __init__(self, callback: Any) -> None:
+        self.started = callback
+
