@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench import llama_peer, servers
-from bench.client import RequestOptions, Target, send_request
+from bench.client import RequestOptions, Target, discover_model, send_request
 from bench.grounded_texts import OPEN_ENDED, PASSAGES, TASKS
 from bench.runner import make_client
 from bench.workload import RequestSpec
@@ -74,6 +74,8 @@ async def speculation_counters(target: Target) -> dict[str, float]:
 
 
 async def measure(target: Target, args) -> dict[str, dict[str, float]]:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        target = Target(target.name, target.base_url, await discover_model(client, target), target.flavor)
     levels: dict[str, dict[str, float]] = {}
     await run_level(target, grounded_prompts(1), 1, 16, False)  # warm-up
     before = await speculation_counters(target) if target.flavor == "openai" else {}

@@ -145,23 +145,26 @@ def test_seeded_sampling_returns_the_same_tokens_with_speculation_on(llms):
 
 
 def test_unseeded_sampling_keeps_its_distribution(llms):
-    """Pairs (first, second output token) of many unseeded samples, with speculation on and off: the second is
-    the first token verified against a draft. A chi-square test of the two samples (fixed generator seeds, so
+    """Triples of output tokens of many unseeded samples, with speculation on and off: the second is verified
+    against a draft, the third sampled after it. A chi-square test of the two samples (fixed generator seeds, so
     the test is deterministic) must not reject at p = 0.001; with speculation on, drafts must be rejected
     and accepted many times (else the test would show nothing)."""
     off, on = llms
-    greedy = _run(off, [PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
-    prompt = off.engine.tokenizer.encode(PROMPTS[2]) + greedy.token_ids * 2  # its own likely tokens, repeated
-    params = SamplingParams(max_tokens=2, temperature=1.0, top_k=3, ignore_eos=True)
+    # The tiny model's greedy output for this prompt loops (285, 1, 285, 1, ...): its first tokens, appended to
+    # the prompt, put it where prompt lookup proposes tokens the model itself finds likely.
+    greedy = _run(off, [PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    prompt = off.engine.tokenizer.encode(PROMPTS[2]) + greedy.token_ids
+    # the first token comes from the prefill; the second is verified against a draft, the third sampled after it
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
     counts = []
     for llm in (off, on):
         llm.engine.runner.sampler._generator.manual_seed(1234)
         stats = llm.engine.speculation_stats.by_proposer["prompt"]
         drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-        outs = _run(llm, [prompt] * 600, params)
+        outs = _run(llm, [prompt] * 400, params)
         counts.append(Counter(tuple(o.token_ids) for o in outs))
     num_drafted, num_accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
-    assert num_drafted >= 500 and 50 <= num_accepted <= num_drafted - 50, (num_drafted, num_accepted)
+    assert num_drafted >= 200 and 50 <= num_accepted <= num_drafted - 50, (num_drafted, num_accepted)
     categories = sorted(set(counts[0]) | set(counts[1]))
     chi2 = sum((counts[0][c] - counts[1][c]) ** 2 / (counts[0][c] + counts[1][c]) for c in categories)
     dof = len(categories) - 1
