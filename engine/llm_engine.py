@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.batch import PromptScoring, SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
@@ -40,6 +41,7 @@ FORWARD_FAILED = "the server failed while computing this request's next token"
 class StepPlan:
     chunks: list[ScheduledChunk]
     batch: StepBatch
+    elapsed: float = 0.0  # seconds the forward pass took (set by execute)
 
 
 class LLMEngine:
@@ -62,6 +64,9 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(config.speculative_config, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.speculator)
+        self._learns_step_cost = config.speculative == "auto"
+        if self._learns_step_cost:
+            self._probe_step_cost()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live sequences (choices, or a fork parent)
         self._seq_ids = itertools.count()
         self._plan: StepPlan | None = None  # the step whose forward pass is running
@@ -131,12 +136,17 @@ class LLMEngine:
         return self._plan
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        return self.runner.run(plan.batch)
+        start = time.perf_counter()
+        output = self.runner.run(plan.batch)
+        plan.elapsed = time.perf_counter() - start
+        return output
 
     def finish_step(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         """Apply a forward pass's tokens: one delta per sampling sequence (a verification's accepted tokens
         in one delta); finished ones are freed."""
         self._plan = None
+        if self._learns_step_cost:
+            self._observe_step_cost(plan)
         emitted = self._accept(plan, output.sampled)
         self.scheduler.on_computed(plan.chunks)
         for scheduled in plan.chunks:
@@ -190,6 +200,30 @@ class LLMEngine:
                 break
             out.absorb(self.output_processor.on_token(seq, token))
         return out
+
+    def _observe_step_cost(self, plan: StepPlan) -> None:
+        """Decode and verification steps teach "auto" speculation what a row costs (prefill chunks, whose
+        attention grows with their length, would blur it)."""
+        max_rows = self.config.speculative_k + 1
+        num_rows = 0
+        for chunk in plan.batch.chunks:
+            if chunk.num_tokens > max_rows:
+                return
+            num_rows += chunk.num_tokens
+        self.speculator.on_step(num_rows, plan.elapsed)
+
+    def _probe_step_cost(self) -> None:
+        """Time a few decode-like steps of 1 and of 1 + k rows (with their logits), so that "auto" speculation
+        starts from this machine's costs. Only blocks 0-3 are written, and nothing holds them yet."""
+        width = self.config.speculative_k + 1
+        row = SamplingRow(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, None, None, 0, [], [])
+        blocks = list(range(min(4, self.config.num_kv_blocks)))
+        start = max(0, min(len(blocks) * self.config.block_size, 48) - width)
+        for num_rows in (1, width) * 3:
+            chunk = SeqChunk(-1, [0] * num_rows, start, blocks, row, verify_rows=[row] * num_rows)
+            begin = time.perf_counter()
+            self.runner.run(StepBatch([chunk]))
+            self.speculator.on_step(num_rows, time.perf_counter() - begin)
 
     def fail_step(self, plan: StepPlan, error: BaseException) -> list[RequestOutput]:
         """The forward pass raised: end every request of the step with an error and free its blocks."""

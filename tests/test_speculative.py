@@ -227,3 +227,58 @@ def test_a_request_can_opt_out_and_bad_settings_are_refused(llms, tiny_llama_dir
         make_llm(tiny_llama_dir, speculative="sometimes")
     with pytest.raises(ValueError, match="speculative_k"):
         make_llm(tiny_llama_dir, speculative_k=0)
+
+
+class _Seq(Tokens):
+    """The little of a Sequence the speculator reads."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.params = SamplingParams(max_tokens=100)
+        self.num_forks = 0
+        self.max_tokens = 100
+        self.num_output_tokens = 0
+        self.num_tokens = len(tokens)
+        self.matcher = None
+        self.speculation = None
+
+
+def test_auto_drafts_only_where_rows_are_cheap_for_the_step_and_acceptance():
+    from engine.speculative.speculator import PROBE_INTERVAL, SpeculativeConfig, Speculator
+    from engine.speculative.step_cost import StepCostModel
+
+    model = StepCostModel()
+    for rows in (1, 6, 1, 6, 2):
+        model.observe(rows, 0.010 + 0.001 * rows)  # memory-bound: 10 ms a step, 1 ms a row
+    assert math.isclose(model.fixed, 0.010) and math.isclose(model.per_row, 0.001)
+    assert math.isclose(model.break_even(1, 1), 0.001 / 0.011)
+    assert model.break_even(32, 32) > 0.7  # at 32 rows a row must pay nearly a whole token
+
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    cheap = Speculator(SpeculativeConfig(mode="auto"), 4096)
+    for rows in (1, 6, 1, 6):
+        cheap.on_step(rows, 0.010 + 0.001 * rows)
+    seq = _Seq(tokens)
+    # 1 running, rows nearly free: the j-th draft is worth 0.5 ** j (the prior) against a row's 0.09 * 1.15
+    assert cheap.propose(seq, 1) == [1, 2, 3]
+    cheap.on_verified(seq, 3, 3)
+    cheap.on_verified(seq, 3, 3)  # all accepted twice: its acceptance is now 0.755, and 0.755 ** 5 pays
+    assert cheap.propose(seq, 1) == [1, 2, 3, 4, 5]
+    assert cheap.propose(_Seq(tokens), 32) == []  # 32 running: a row costs nearly a token
+
+    costly = Speculator(SpeculativeConfig(mode="auto"), 4096)
+    for rows in (1, 6, 1, 6):
+        costly.on_step(rows, 0.010 * rows)  # every row costs as much as a step: no draft pays
+    seq = _Seq(tokens)
+    proposals = [costly.propose(seq, 1) for _ in range(PROBE_INTERVAL + 1)]
+    assert proposals[:PROBE_INTERVAL] == [[]] * PROBE_INTERVAL and proposals[-1] == [1]  # a probe, now and then
+
+
+def test_an_auto_engine_learns_its_step_cost_and_keeps_the_output(tiny_llama_dir, llms):
+    off, _ = llms
+    auto = make_llm(tiny_llama_dir, speculative="auto")
+    cost = auto.engine.speculator.cost
+    assert cost.fixed > 0 and cost.per_row >= 0 and 0 < cost.break_even(1, 1) <= 1  # probed at load
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in _run(auto, PROMPTS, params)] == [o.token_ids for o in _run(off, PROMPTS, params)]
+    assert_pool_full(auto)

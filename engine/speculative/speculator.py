@@ -3,11 +3,13 @@
 The scheduler asks `propose(seq, num_running)` for each decoding sequence; the engine reports what was accepted
 (`on_verified`) and what finished (`on_finished`). Pure Python on the event-loop thread, no tensors.
 
-Policy ("auto"): a verification row costs little while the step is bound by reading the weights (few rows) and
-as much as any row once it is bound by arithmetic (many rows). So a sequence speculates only while the running
-batch is small (max_running) and while its own acceptance average earns its extra rows; a sequence whose drafts
-keep failing stops proposing and probes again now and then. "on" proposes whenever a proposer has something
-(tests, bench); "off" never.
+Policy ("auto"): each draft must earn its row. A sequence keeps an estimate of the chance that its next draft
+is accepted (alpha, per draft, from its own verifications; a new one starts from the average of all), so its
+j-th draft is worth alpha**j tokens; the step-cost model (step_cost.py, learnt from the steps' own timings) says
+what a row must yield to pay in a step of this size. Drafts are proposed while they earn that with a margin,
+so where rows cost nearly as much as a step (many sequences running, or kernels bound by arithmetic) "auto"
+proposes nothing; a sequence that proposes nothing tries one draft every PROBE_INTERVAL steps to learn. "on"
+proposes whenever a proposer has something (tests, bench); "off" never.
 """
 
 from __future__ import annotations
@@ -16,18 +18,15 @@ from dataclasses import dataclass
 
 from engine.speculative.prompt_lookup import NgramIndex
 from engine.speculative.stats import SpeculationStats
+from engine.speculative.step_cost import StepCostModel
 from engine.speculative.suffix_index import RecentOutputs
 
 MODES = ("auto", "on", "off")
-# "auto": speculate only while at most this many sequences run (measured, see the README's speculation table).
-AUTO_MAX_RUNNING = 4
-# A sequence's accepted-per-drafted average: below LOW it stops proposing (probing every PROBE_INTERVAL steps),
-# below HIGH its drafts are cut to SHORT_DRAFTS tokens.
-EMA_WEIGHT = 0.3
-LOW_ACCEPTANCE = 0.15
-HIGH_ACCEPTANCE = 0.4
-SHORT_DRAFTS = 2
-PROBE_INTERVAL = 8
+EMA_WEIGHT = 0.3  # of a sequence's latest verification in its acceptance estimate
+PRIOR_WEIGHT = 0.05  # of any verification in the estimate new sequences start from
+PRIOR_ACCEPTANCE = 0.5
+MARGIN = 1.15  # a draft must be worth this many times its row's cost
+PROBE_INTERVAL = 32  # steps without drafts before a sequence tries one (at most 1/32 of a row's cost lost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +51,13 @@ class SpeculativeConfig:
 
 
 class SeqSpeculation:
-    """One sequence's speculation state: its n-gram index, acceptance average and the proposer of its drafts."""
+    """One sequence's speculation state: its n-gram index, acceptance estimate and the proposer of its drafts."""
 
     __slots__ = ("index", "acceptance", "num_skipped", "proposer")
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, acceptance: float) -> None:
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
-        self.acceptance = 1.0  # optimistic start: the first drafts are tried in full
+        self.acceptance = acceptance  # the chance that its next draft is accepted
         self.num_skipped = 0
         self.proposer = ""
 
@@ -69,6 +68,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.recent = RecentOutputs(config.min_ngram, config.max_ngram, config.recent_tokens)
         self.stats = SpeculationStats()
+        self.cost = StepCostModel()
+        self.prior_acceptance = PRIOR_ACCEPTANCE
 
     @property
     def is_enabled(self) -> bool:
@@ -89,18 +90,15 @@ class Speculator:
             return []
         state: SeqSpeculation | None = seq.speculation
         if state is None:
-            state = seq.speculation = SeqSpeculation(config)
+            state = seq.speculation = SeqSpeculation(config, self.prior_acceptance)
+        is_probe = False
         if config.mode == "auto":
-            if num_running > AUTO_MAX_RUNNING:
-                return []
-            if state.acceptance < LOW_ACCEPTANCE:
-                state.num_skipped += 1
+            max_drafts = self._worth(state.acceptance, max_drafts, num_running)
+            if not max_drafts:
                 if state.num_skipped < PROBE_INTERVAL:
+                    state.num_skipped += 1
                     return []
-                state.num_skipped = 0
-                max_drafts = 1
-            elif state.acceptance < HIGH_ACCEPTANCE:
-                max_drafts = min(max_drafts, SHORT_DRAFTS)
+                max_drafts, is_probe = 1, True
         num_tokens = seq.num_tokens
         drafts = state.index.propose(seq, num_tokens, max_drafts)
         state.proposer = "prompt"
@@ -109,11 +107,30 @@ class Speculator:
             state.proposer = "recent"
         if drafts and seq.matcher is not None:
             drafts = drafts[: seq.matcher.validate_tokens(drafts)]  # a draft the grammar forbids is rejected here
+        if drafts and is_probe:
+            state.num_skipped = 0
         return drafts
+
+    def _worth(self, acceptance: float, max_drafts: int, num_running: int) -> int:
+        """How many drafts pay in a step of about num_running rows: the j-th is worth acceptance**j tokens."""
+        cost = self.cost.break_even(num_running, num_running) * MARGIN
+        n, worth = 0, acceptance
+        while n < max_drafts and worth > cost:
+            n += 1
+            worth *= acceptance
+        return n
+
+    def on_step(self, num_rows: int, seconds: float) -> None:
+        """A forward pass of num_rows rows took this long (it feeds the step-cost model)."""
+        self.cost.observe(num_rows, seconds)
 
     def on_verified(self, seq, num_drafts: int, num_accepted: int) -> None:
         state: SeqSpeculation = seq.speculation
-        state.acceptance += EMA_WEIGHT * (num_accepted / num_drafts - state.acceptance)
+        # Drafts are tried in order until one fails: num_accepted successes in this many trials.
+        num_trials = num_accepted + (num_accepted < num_drafts)
+        observed = num_accepted / num_trials
+        state.acceptance += EMA_WEIGHT * (observed - state.acceptance)
+        self.prior_acceptance += PRIOR_WEIGHT * (observed - self.prior_acceptance)
         self.stats.record(state.proposer, num_drafts, num_accepted)
 
     def on_finished(self, output_token_ids: list[int]) -> None:
