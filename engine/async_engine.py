@@ -1,12 +1,18 @@
 """The async shell around LLMEngine: input processing off the loop, bounded admission, the step loop, a
 watchdog, per-request output streams, drain.
 
-Request state in this shell lives in two maps: `_streams` (every accepted, unfinished request) and `_pending`
-(the accepted requests not yet handed to the scheduler). max_pending bounds those together with the requests
-still being prepared: reserve() takes their slots (or raises QueueFull, a 429) before any tokenizing, so a
-burst is answered at once and never queues unbounded in front of the tokenizer. Everything except run(),
-drain() and prepare_*() is synchronous, so the HTTP handlers that call reserve(), submit() and abort() never
-wait on the engine. Only the event-loop thread touches engine state; the forward pass runs in one worker thread at a time.
+A request's way: reserve() takes admission slots (or raises QueueFull, a 429) before any tokenizing, so a burst
+is answered at once and never queues unbounded in front of the tokenizer; prepare_*() tokenizes and checks in
+a worker thread; Reservation.generate(prepared) (or generate(prepared), which reserves one slot itself) queues
+it and returns its OutputStream, whose closing aborts it (engine/request.py has the Request's states and the
+reader's contract). max_pending bounds the slots held: requests being prepared plus those queued for the
+scheduler.
+
+Every request the shell knows of is a Request in one registry, `_requests`, keyed by id, in admission order:
+queued, running, or ended from outside (abort, drain) but not yet freed by the LLMEngine, which the loop does
+between steps. Everything except run(), drain() and prepare_*() is synchronous, so the HTTP handlers never wait
+on the engine. Only the event-loop thread touches engine state; the forward pass runs in one worker thread at a
+time.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from engine.batch import StepOutput
 from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
 from engine.outputs import FinishReason, RequestOutput
-from engine.request_stream import RequestStream
+from engine.request import OutputStream, Request, RequestState, abort_abandoned
 from engine.sampling_params import SamplingParams
 from engine.speculative.stats import ProposerCounts
 
@@ -72,24 +78,28 @@ class _Abandoned(Exception):
 
 
 class Reservation:
-    """Admission slots held while requests are prepared: submit() spends one, and leaving the `with` block
-    gives back the unspent ones (a bad request, a client that left)."""
+    """Admission slots held while requests are prepared (each a Request in PREPARING): generate() queues one,
+    and leaving the `with` block gives back the unspent ones (a bad request, a client that left)."""
 
     def __init__(self, engine: AsyncEngine, num_slots: int) -> None:
         self._engine = engine
-        self.num_held = num_slots
+        self._preparing = [Request() for _ in range(num_slots)]
 
-    def submit(self, request: PreparedRequest) -> RequestStream:
-        if self.num_held <= 0:
+    @property
+    def num_held(self) -> int:
+        return len(self._preparing)
+
+    def generate(self, prepared: PreparedRequest) -> OutputStream:
+        """Queue a prepared request on one of the slots: its output stream (see engine/request.py)."""
+        if not self._preparing:
             raise RuntimeError("every reserved slot is spent")
-        stream = self._engine._enqueue(request)
-        self.num_held -= 1
-        self._engine._num_reserved -= 1
+        stream = self._engine.queue(self._preparing[-1], prepared)
+        self._preparing.pop()
         return stream
 
     def release(self) -> None:
-        self._engine._num_reserved -= self.num_held
-        self.num_held = 0
+        self._engine.give_back(len(self._preparing))
+        self._preparing = []
 
     def __enter__(self) -> Reservation:
         return self
@@ -129,10 +139,9 @@ class AsyncEngine:
         self.step_timeout = step_timeout
         self.client_read_timeout = client_read_timeout
         self._on_forward_abandoned = on_forward_abandoned
-        self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[str, RequestStream] = {}  # insertion order is admission order
-        self._num_reserved = 0  # admission slots held by requests still being prepared
-        self._aborts: set[str] = set()  # admitted requests whose streams ended: freed by the loop between steps
+        self._requests: dict[str, Request] = {}  # the registry (see the module docstring); insertion = admission order
+        self._num_slots_held = 0  # admission slots: requests being prepared or queued (at most max_pending)
+        self._has_ended_in_engine = False  # some registered request ended from outside: the loop frees it
         self._wakeup = anyio.Event()
         self._stop_requested = False
         self._all_finished: anyio.Event | None = None  # set during drain once no request is left
@@ -167,12 +176,12 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         engine = self._engine
         if engine is None or self._state in (EngineState.DEAD, EngineState.STALLED):
-            return EngineStats(self._state.value, 0, 0, len(self._pending) + self._num_reserved, 0, 0, 0.0)
+            return EngineStats(self._state.value, 0, 0, self._num_slots_held, 0, 0, 0.0)
         return EngineStats(
             state=self._state.value,
             waiting=engine.num_waiting,
             running=engine.num_running,
-            pending=len(self._pending) + self._num_reserved,
+            pending=self._num_slots_held,
             free_kv_blocks=engine.num_free_blocks,
             total_kv_blocks=engine.num_total_blocks,
             prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
@@ -206,30 +215,36 @@ class AsyncEngine:
     def reserve(self, num_requests: int = 1) -> Reservation:
         """Hold admission slots for requests about to be prepared. QueueFull: 429; EngineUnavailable: 503."""
         self._ready_engine()
-        num_waiting = len(self._pending) + self._num_reserved
-        if num_waiting + num_requests > self.max_pending:
-            raise QueueFull(f"{num_waiting} requests are already waiting for admission")
-        self._num_reserved += num_requests
+        if self._num_slots_held + num_requests > self.max_pending:
+            raise QueueFull(f"{self._num_slots_held} requests are already waiting for admission")
+        self._num_slots_held += num_requests
         return Reservation(self, num_requests)
 
-    def submit(self, request: PreparedRequest) -> RequestStream:
-        """Queue a prepared request: reserve(1) and submit at once. QueueFull: 429; EngineUnavailable: 503."""
+    def generate(self, prepared: PreparedRequest) -> OutputStream:
+        """Queue a prepared request (reserve(1) and Reservation.generate at once): its output stream, whose
+        closing aborts it. QueueFull: 429; EngineUnavailable: 503; InvalidRequest: its id is in use."""
         with self.reserve(1) as reservation:
-            return reservation.submit(request)
+            return reservation.generate(prepared)
 
-    def _enqueue(self, request: PreparedRequest) -> RequestStream:
+    def queue(self, request: Request, prepared: PreparedRequest) -> OutputStream:
+        """A Reservation's PREPARING request becomes QUEUED on its slot (Reservation.generate calls this)."""
         self._ready_engine()
-        if request.request_id in self._streams:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
-        stream = RequestStream(request)
-        self._streams[request.request_id] = self._pending[request.request_id] = stream
+        if prepared.request_id in self._requests:
+            raise InvalidRequest(f"request id {prepared.request_id!r} is already in use")
+        request.bind(prepared)
+        self._requests[prepared.request_id] = request
         self._wakeup.set()
-        return stream
+        return OutputStream(request, self.abort)
+
+    def give_back(self, num_slots: int) -> None:
+        """Admission slots of requests that were never queued (a Reservation's unspent ones)."""
+        self._num_slots_held -= num_slots
 
     def abort(self, request_id: str) -> bool:
         """End a request now (its stream gets an "abort" finish). Idempotent; True if it was unfinished.
 
-        A queued request frees its admission slot at once; an admitted one is freed by the loop between steps."""
+        A queued request frees its admission slot at once; an admitted one is freed by the loop between steps.
+        Readers need not call this: closing the OutputStream does."""
         return self._end(request_id, FinishReason.ABORT)
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -316,43 +331,53 @@ class AsyncEngine:
     def _admit_pending(self, engine: LLMEngine) -> None:
         # Pull only while the scheduler has room, so that max_pending really bounds the waiting requests.
         # A request takes one admission slot, and n of max_num_seqs' places (one per choice) once pulled.
-        while self._pending:
-            request_id, stream = next(iter(self._pending.items()))
-            if engine.num_seats + stream.request.params.n > engine.config.max_num_seqs:
+        for request in [r for r in self._requests.values() if r.state is RequestState.QUEUED]:
+            if engine.num_seats + request.num_choices > engine.config.max_num_seqs:
                 break
-            del self._pending[request_id]
-            engine.add_prepared(stream.request)
-            stream.admitted_time = time.perf_counter()
+            engine.add_prepared(request.prepared)
+            request.start()
+            self._num_slots_held -= 1
 
     def _apply_aborts(self, engine: LLMEngine) -> None:
-        aborts, self._aborts = self._aborts, set()
-        for request_id in aborts:
-            engine.abort(request_id)
+        if not self._has_ended_in_engine:
+            return
+        self._has_ended_in_engine = False
+        for request in [r for r in self._requests.values() if r.is_finished and r.is_in_engine]:
+            engine.abort(request.request_id)
+            self._forget(request)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
+            request = self._requests.get(output.request_id)
+            if request is None or request.is_finished:
                 continue  # ended meanwhile (abort or drain): the engine frees it before the next step
-            if not stream.push(output):
-                self.abort(output.request_id)  # the reader went away
-            elif stream.is_finished:
-                del self._streams[output.request_id]
+            is_read = request.push(output)
+            if request.is_finished:  # the engine freed it with its last choice
+                self._forget(request)
                 self._note_finished()
+            elif not is_read:
+                self.abort(output.request_id)  # the reader went away
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
             return False
-        if self._pending.pop(request_id, None) is None:
-            self._aborts.add(request_id)
+        if request.state is RequestState.QUEUED:
+            self._num_slots_held -= 1
+            self._forget(request)
+        else:  # the engine holds it: freed by the loop between steps
+            self._has_ended_in_engine = True
             self._wakeup.set()
-        stream.end(reason, error)
+        request.end(reason, error)
         self._note_finished()
         return True
 
+    def _forget(self, request: Request) -> None:
+        request.is_in_engine = False
+        del self._requests[request.request_id]
+
     def _end_everything(self, reason: FinishReason, error: str | None = None) -> None:
-        for request_id in list(self._streams):
+        for request_id in list(self._requests):
             self._end(request_id, reason, error)
 
     # -- the watchdog ---------------------------------------------------------------------------------------
@@ -371,13 +396,7 @@ class AsyncEngine:
                 self._stop_requested = True
                 self._abandon_forward()
                 return
-            for stream in [s for s in self._streams.values() if s.unread_since is not None]:
-                if now - stream.unread_since > self.client_read_timeout:
-                    logger.info("request %s: output unread for %.0f s; aborting it", stream.request_id,
-                                now - stream.unread_since)  # fmt: skip
-                    self.abort(stream.request_id)
-                    if stream.on_read_timeout is not None:
-                        stream.on_read_timeout()
+            abort_abandoned(self._requests.values(), self.client_read_timeout, self.abort)
 
     # -- drain ----------------------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
@@ -386,7 +405,7 @@ class AsyncEngine:
         Returns within timeout + STOP_MARGIN even when a forward pass is stuck: that pass is then abandoned."""
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
-        if self._streams:
+        if self._has_unfinished():
             self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
@@ -415,6 +434,9 @@ class AsyncEngine:
     async def _off_loop(self, work: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(work, limiter=self._input_slot)
 
+    def _has_unfinished(self) -> bool:
+        return any(not request.is_finished for request in self._requests.values())
+
     def _note_finished(self) -> None:
-        if not self._streams and self._all_finished is not None:
+        if self._all_finished is not None and not self._has_unfinished():
             self._all_finished.set()

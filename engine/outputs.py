@@ -1,4 +1,7 @@
-"""What the engine returns: a delta per request per step (the step API) and whole results (the offline API)."""
+"""What the engine returns: a delta per request per step (the step API) and whole results (the offline API).
+
+One merge: RequestOutput.absorb coalesces a later delta of a choice into an earlier one. A whole choice
+(ChoiceOutput) is all its deltas merged that way, and the HTTP layer builds its responses from ChoiceOutputs."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ class FinishReason(str, enum.Enum):
 
     STOP = "stop"  # EOS, a stop string or a stop token id
     LENGTH = "length"  # max_tokens or the context limit
+    TOOL_CALLS = "tool_calls"  # a STOP whose output held tool calls: the web layer reads calls, not the engine
     ABORT = "abort"  # the client left, the server drained, or the client did not read in time
     ERROR = "error"  # this request failed; `error` says why in words fit for the client
 
@@ -47,32 +51,34 @@ class RequestOutput:
         self.new_token_ids.extend(later.new_token_ids)
         self.text_delta += later.text_delta
         if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+            if self.logprobs is None:
+                self.logprobs = list(later.logprobs)
+            else:
+                self.logprobs.extend(later.logprobs)
+        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens
-        self.num_cached_tokens = later.num_cached_tokens
+        # Set once, at the request's first admission: a final delta from outside the engine may not know it.
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.finished, self.finish_reason = later.finished, later.finish_reason
         self.stop_reason, self.error = later.stop_reason, later.error
 
 
-@dataclass(slots=True)
-class ChoiceOutput:
-    """One of the n choices of a request, whole."""
+class ChoiceOutput(RequestOutput):
+    """One of the n choices of a request, whole: every delta of that choice merged by RequestOutput.absorb, so
+    its new_token_ids / text_delta hold the whole output (also named token_ids / text)."""
 
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[SampledToken] | None = None
+    __slots__ = ()
 
-    def absorb(self, delta: RequestOutput) -> None:
-        self.text += delta.text_delta
-        self.token_ids.extend(delta.new_token_ids)
-        if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
-        if delta.finished:
-            self.finish_reason = delta.finish_reason
-            self.stop_reason = delta.stop_reason
+    def __init__(self, index: int, request_id: str = "") -> None:
+        super().__init__(request_id, [], "", index=index)
+
+    @property
+    def text(self) -> str:
+        return self.text_delta
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.new_token_ids
 
 
 @dataclass(slots=True)
@@ -83,8 +89,6 @@ class CompletionOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[ChoiceOutput] = field(default_factory=lambda: [ChoiceOutput(0)])
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[SampledToken | None] | None = None
 
     @property
     def text(self) -> str:
@@ -107,12 +111,16 @@ class CompletionOutput:
         return self.outputs[0].logprobs
 
     @property
+    def prompt_logprobs(self) -> list[SampledToken | None] | None:
+        return next((c.prompt_logprobs for c in self.outputs if c.prompt_logprobs is not None), None)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return max(choice.num_cached_tokens for choice in self.outputs)
+
+    @property
     def is_finished(self) -> bool:
         return all(choice.finish_reason is not None for choice in self.outputs)
 
     def absorb(self, delta: RequestOutput) -> None:
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
         self.outputs[delta.index].absorb(delta)
-        if delta.finished:
-            self.num_cached_tokens = delta.num_cached_tokens

@@ -1,7 +1,10 @@
 """Per-request sampling parameters, validated on construction (InvalidRequest, a ValueError, on bad input).
 
-Every value accepted here is one the sampler can honour in bounded time: numbers must be finite, and the
-lists a request brings are bounded, because the engine loop checks them on every generated token.
+This is the one place of the rules: the HTTP schemas (web/schemas.py) only check JSON types and build a
+SamplingParams, whose InvalidRequest becomes a 400 naming the OpenAI parameter. Ranges follow the OpenAI API
+where it has one (temperature, top_p, penalties, logit_bias, n) and vLLM's extras otherwise. Every value
+accepted is one the sampler can honour in bounded time: numbers must be finite, and the lists a request
+brings are bounded, because the engine loop checks them on every generated token.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from engine.errors import InvalidRequest
 from engine.structured_outputs import StructuredOutputs
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # OpenAI allows 4 stop strings; vLLM has no bound. Matching runs on the event loop for every generated token,
 # so the bound keeps that work small: 16 strings of up to 256 characters.
 MAX_STOP_STRINGS = 16
@@ -76,8 +80,8 @@ class SamplingParams:
                  f"min_tokens must be an integer >= 0, got {min_tokens!r}")  # fmt: skip
         _require(max_tokens is None or min_tokens <= max_tokens, "min_tokens",
                  f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")  # fmt: skip
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"temperature must be a finite number >= 0, got {self.temperature!r}")  # fmt: skip
+        _require(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+                 f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")  # fmt: skip
         _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                  f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")  # fmt: skip
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")

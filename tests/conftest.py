@@ -8,12 +8,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_helpers import assert_pool_full, make_llm  # noqa: E402
-from tiny_models import save_tiny_gpt2, save_tiny_llama  # noqa: E402
+from tiny_models import save_tiny_gemma3, save_tiny_gpt2, save_tiny_llama, save_tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    return save_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"))
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
-def model_dir(request, tiny_llama_dir, tiny_gpt2_dir):
-    return tiny_llama_dir if request.param == "llama" else tiny_gpt2_dir
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", "gpt2"])
+def model_dir(request):
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
 @pytest.fixture(scope="module")

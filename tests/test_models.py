@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import build_tokenizer, save_tiny_gpt2, save_tiny_llama
+from tiny_models import build_tokenizer, save_tiny_gemma3, save_tiny_gpt2, save_tiny_llama, save_tiny_qwen3
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.layers import LayerCache, Linear, PrefillSpan, StepContext
+from engine.models.layers import LayerCache, Linear, PrefillSpan, StepContext, paged_attention
 from engine.models.loader import LoadedModel, load_model, resolve_model_dir
 
 
@@ -68,6 +68,10 @@ VARIANTS = {
     "llama_rope_yarn": (save_tiny_llama, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 64}}),
     "qwen2": (lambda path: save_tiny_qwen2(path), {}),
+    "qwen3": (save_tiny_qwen3, {}),
+    "qwen3_sliding": (save_tiny_qwen3, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "gemma3": (save_tiny_gemma3, {}),
+    "gemma3_final_softcap": (save_tiny_gemma3, {"final_logit_softcapping": 5.0}),
     "gpt2": (save_tiny_gpt2, {}),
 }  # fmt: skip
 
@@ -76,12 +80,41 @@ VARIANTS = {
 def test_logit_parity_with_transformers(variant: str, tmp_path: Path) -> None:
     save, overrides = VARIANTS[variant]
     model_dir = perturb(save(tmp_path, **overrides))
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # eager: the reference's SDPA path would drop Gemma's attention soft-capping
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     loaded = load_model(EngineConfig(model=str(model_dir), dtype="float32", quantize="none"))
     ids = torch.randint(0, loaded.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         expected = reference(ids[None]).logits[0]
     torch.testing.assert_close(full_forward(loaded, ids), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_attention_softcap_and_window_match_a_direct_computation() -> None:
+    """Capped scores (Gemma 2 style; transformers' Gemma 3 reads the field but never applies it, so it cannot be the
+    reference here) and a window, through a prefill and a decode, against the formula written out."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, n, window, cap, scale = 4, 2, 16, 11, 4, 3.0, 0.3
+    q, k, v = (torch.randn(n, h, dim, generator=gen) * 3 for h in (heads, kv_heads, kv_heads))
+    cache = LayerCache(torch.zeros(kv_heads, n, 1, dim), torch.zeros(kv_heads, n, 1, dim))
+    prefill = StepContext(
+        positions=torch.arange(n - 1), slot_mapping=torch.arange(n - 1), num_decode=0,
+        decode_gather=None, decode_mask=None, prefills=[PrefillSpan(0, n - 1, 0, kv_slots=None, mask=None)],
+    )  # fmt: skip
+    decode = StepContext(
+        positions=torch.tensor([n - 1]), slot_mapping=torch.tensor([n - 1]), num_decode=1,
+        decode_gather=torch.arange(n), decode_mask=torch.zeros(1, 1, 1, n), decode_sdpa=True,
+    )  # fmt: skip
+    out = torch.cat([
+        paged_attention(q[:-1], k[:-1], v[:-1], cache, prefill, scale, window, cap),
+        paged_attention(q[-1:], k[-1:], v[-1:], cache, decode, scale, window, cap),
+    ])  # fmt: skip
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # [n, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    scores = torch.tanh(scores / cap) * cap
+    pos = torch.arange(n)
+    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(out, expected.reshape(n, -1), atol=1e-5, rtol=1e-5)
 
 
 def test_loaded_model_fields(tiny_llama_dir: Path) -> None:

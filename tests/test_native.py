@@ -17,7 +17,7 @@ import torch
 from engine_helpers import hf_greedy
 from safetensors.torch import load_file, save_file
 from test_model_runner import BLOCK_SIZE, ParityRun, RecordingSampler
-from tiny_models import save_tiny_llama
+from tiny_models import GEMMA3_WINDOW, save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -44,11 +44,9 @@ def available_isas() -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def grid_llama_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama whose weights lie on the native grids (as a GGUF's do): Q4_1 for the layers' linears,
-    Q8_0 for the embedding and lm_head. Hidden size 128 so that the head dim (32) and every K are whole groups."""
-    path = save_tiny_llama(tmp_path_factory.mktemp("grid_llama"), hidden_size=128, intermediate_size=256)
+def on_native_grids(path: Path) -> Path:
+    """Move a saved model's matrices onto the native grids (as a GGUF's weights are): Q4_1 for the layers'
+    linears, Q8_0 for the embedding and lm_head."""
     file = path / "model.safetensors"
     tensors = load_file(file)
     for name, t in tensors.items():
@@ -57,6 +55,22 @@ def grid_llama_dir(tmp_path_factory) -> Path:
         tensors[name] = (dequantize_q8(t) if "embed" in name or "lm_head" in name else dequantize_q4(t)).contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def grid_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama on the native grids. Hidden size 128 so that the head dim (32) and every K are whole
+    groups."""
+    return on_native_grids(save_tiny_llama(tmp_path_factory.mktemp("grid_llama"), hidden_size=128, intermediate_size=256))
+
+
+# the Llama family's variants the native step runs through options: tiny random models on the native grids
+GRID_ARCHS = {"qwen3": save_tiny_qwen3, "gemma3": save_tiny_gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(GRID_ARCHS))
+def grid_variant_dir(request, tmp_path_factory) -> Path:
+    return on_native_grids(GRID_ARCHS[request.param](tmp_path_factory.mktemp(f"grid_{request.param}")))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -120,6 +134,66 @@ def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes
         assert (recorded - expected).abs().max() < tolerance * expected.abs().max()
 
 
+@pytest.mark.parametrize("cache_dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+def test_native_step_runs_qwen3_and_gemma3_like_transformers(
+    grid_variant_dir: Path, cache_dtype: torch.dtype, tolerance: float
+) -> None:
+    """Qwen 3's q/k norms; Gemma 3's sandwich norms, GeGLU, scales, sliding layers (window 8: every sequence here
+    outgrows it) and global ones with their own rope: the same scenario as the Llama's, against transformers."""
+    config = EngineConfig(model=str(grid_variant_dir), block_size=BLOCK_SIZE, num_kv_blocks=96)
+    sampler = RecordingSampler()
+    runner = ModelRunner(load_model(config), config, sampler=sampler)
+    assert runner.native is not None
+    for cache in runner.kv_caches:
+        cache.k, cache.v = cache.k.to(cache_dtype), cache.v.to(cache_dtype)
+    runner.native.set_kv_caches([c.k for c in runner.kv_caches], [c.v for c in runner.kv_caches])
+    reference = AutoModelForCausalLM.from_pretrained(grid_variant_dir, dtype=torch.float32).eval()
+
+    run = ParityRun(runner, sampler)
+    a, b, c, d = run.prefill_in_chunks_with_a_prefix_hit()
+    for _ in range(6):
+        run.step([(s, 1) for s in (a, b, c, d)])
+    for _ in range(3):
+        run.step([(s, 1) for s in (d, a)])
+    for recorded, expected in run.recorded_and_expected(reference):
+        assert (recorded - expected).abs().max() < tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_sliding_layers_never_read_keys_before_their_window(tmp_path: Path, native: bool, monkeypatch) -> None:
+    """A Gemma 3 of sliding layers only: after a prompt, every cache block wholly before the next token's window is
+    filled with NaN (a read of any of it would poison the output); the decode gives the same logits as without."""
+    if not native:
+        monkeypatch.setenv("SLUICE_NATIVE", "0")
+        native_ops.cache_clear()
+    try:
+        model_dir = on_native_grids(save_tiny_gemma3(tmp_path, layer_types=["sliding_attention"] * 2, num_hidden_layers=2))
+        precision = {} if native else {"dtype": "float32", "quantize": "none"}
+        config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=32, **precision)
+        runs = []
+        for poison in (False, True):
+            sampler = RecordingSampler()
+            runner = ModelRunner(load_model(config), config, sampler=sampler)
+            assert (runner.native is not None) == native
+            run = ParityRun(runner, sampler)
+            seq = run.new_seq(0, run.random_tokens(29))
+            run.step([(seq, 99)])
+            first_in_window = seq.num_computed - GEMMA3_WINDOW + 1  # the decode sits at position num_computed
+            for block in seq.blocks[: first_in_window // BLOCK_SIZE]:
+                if poison:
+                    for cache in runner.kv_caches:
+                        cache.k[:, block], cache.v[:, block] = float("nan"), float("nan")
+            run.step([(seq, 1)])
+            run.step([(seq, 1)])
+            runs.append(sampler.rows)
+        assert first_in_window // BLOCK_SIZE >= 4
+        for clean, poisoned in zip(*runs):
+            assert torch.equal(clean, poisoned)
+    finally:
+        monkeypatch.delenv("SLUICE_NATIVE", raising=False)
+        native_ops.cache_clear()
+
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -143,6 +217,19 @@ def test_greedy_output_is_the_same_alone_batched_cached_and_chunked_tiny(grid_ll
     def make(**overrides) -> LLM:
         settings = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, **overrides)
         return LLM(str(grid_llama_dir), **settings)
+
+    assert make().engine.runner.native is not None
+    alone, *others = greedy_runs(make, prompts)
+    for other in others:
+        assert other == alone
+
+
+def test_greedy_output_is_the_same_alone_batched_cached_and_chunked_qwen3_gemma3(grid_variant_dir: Path) -> None:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 17, 40, 9, 33)]
+
+    def make(**overrides) -> LLM:
+        return LLM(str(grid_variant_dir), block_size=4, num_kv_blocks=256, max_num_seqs=8, **overrides)
 
     assert make().engine.runner.native is not None
     alone, *others = greedy_runs(make, prompts)

@@ -146,6 +146,17 @@ def test_a_call_its_output_then_a_final_answer(client: openai.OpenAI, server: Th
     assert '<tool_call>\n{"name": "get_weather", "arguments": ' in rendered and "-3 degrees" in rendered
 
 
+def test_auto_tools_stream_as_they_are_returned_whole(client: openai.OpenAI) -> None:
+    body = dict(model=MODEL, input="Weather in Oslo?", tools=TOOLS, max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**body)
+    assert whole.tool_choice == "auto" and whole.tools[0].name == "get_weather"
+    events = [event.to_dict(warnings=False) for event in client.responses.create(**body, stream=True)]
+    final = check_event_grammar(events)
+    assert [(o["type"], o.get("arguments"), o.get("name")) for o in final["output"]] == \
+        [(o.type, getattr(o, "arguments", None), getattr(o, "name", None)) for o in whole.output]  # fmt: skip
+    assert final["status"] == whole.status
+
+
 def prompt_of(server: ThreadedServer, items: list[dict]) -> str:
     """The chat-template text a list of input items renders to (through the same conversion as /v1/responses)."""
     from web.responses_api.request import ResponsesRequest
@@ -205,6 +216,8 @@ BAD_BODIES = [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
+    ({"input": [1, 2]}, "input[0]"),
+    ({"input": [{"role": "user", "content": "a"}] * 5000}, "input"),
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
@@ -212,6 +225,7 @@ BAD_BODIES = [
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_object"}}, "tools": TOOLS}, "text.format"),
     ({"input": "x" * 100_000}, "input"),
+    ({"input": "日本語 " * 200_000}, "input"),  # 3.8 MB of JSON: longer than the context, not too many "items"
 ]  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import pytest
 from responses_events import check_event_grammar
 from test_responses_api import MODEL, tiny_tool_model
 
@@ -56,3 +57,26 @@ def test_a_drain_ends_each_open_stream_with_one_terminal_event(tmp_path: Path) -
     for final in finals[1:]:
         assert final["status"] == "failed" and final["error"]["code"] == "server_error"
         assert "shutting down" in final["error"]["message"]
+
+
+def failing(execute):
+    def fail(plan):
+        raise RuntimeError("the forward pass broke")
+
+    return fail
+
+
+def test_a_failed_forward_pass_ends_the_stream_with_response_failed(tmp_path: Path) -> None:
+    config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        with wrapped_execute(server.engine, failing):
+            events = [e.to_dict(warnings=False) for e in client.responses.create(model=MODEL, input="Hi", stream=True)]
+            with pytest.raises(openai.InternalServerError):
+                client.responses.create(model=MODEL, input="Hi")
+        final = check_event_grammar(events)
+        assert final["status"] == "failed" and final["error"]["code"] == "server_error" and final["error"]["message"]
+        assert client.responses.retrieve(final["id"]).status == "failed"  # stored as it ended
+        after = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)  # the engine serves on
+        assert after.status == "incomplete"
+        assert server.engine.num_free_blocks == server.engine.num_total_blocks

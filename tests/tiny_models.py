@@ -1,4 +1,5 @@
-"""Tiny random models built locally (no hub): a trained byte-level BPE tokenizer plus Llama / GPT-2 configs."""
+"""Tiny random models built locally (no hub): a trained byte-level BPE tokenizer plus Llama / Qwen 3 / Gemma 3 /
+GPT-2 configs."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -82,5 +93,61 @@ def save_tiny_gpt2(path: Path, seed: int = 0, **overrides) -> Path:
     config = GPT2Config(**{**defaults, **overrides})
     torch.manual_seed(seed)
     GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _randomise_norms(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights start as ones (Qwen) or zeros (Gemma's 1 + w): spread them so that a norm read wrongly shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def save_tiny_qwen3(path: Path, seed: int = 0, **overrides) -> Path:
+    """Qwen 3: Llama plus an RMSNorm over each query and key head."""
+    tokenizer = build_tokenizer()
+    defaults = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    config = Qwen3Config(**{**defaults, **overrides})
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    _randomise_norms(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+GEMMA3_WINDOW = 8  # small, so that short prompts already slide
+
+
+def save_tiny_gemma3(path: Path, seed: int = 0, **overrides) -> Path:
+    """Gemma 3 with every feature of the family small enough to see: sliding layers (window 8) between global ones,
+    each kind with its own rope base (the global one linearly scaled), q/k norms, sandwich norms, GeGLU, scaled
+    embeddings, query_pre_attn_scalar different from head_dim, tied embeddings."""
+    tokenizer = build_tokenizer()
+    defaults = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=GEMMA3_WINDOW, query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+        tie_word_embeddings=True, initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    config = Gemma3TextConfig(**{**defaults, **overrides})
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    _randomise_norms(model, seed)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from engine.async_engine import EngineStats
-from engine.request_stream import RequestStream
+from engine.request import Request
 from engine.outputs import FinishReason, RequestOutput
 from engine.speculative.stats import ProposerCounts
 from web.cluster.metrics import ClusterMetrics
@@ -91,20 +91,20 @@ class SpeculationCollector:
 class RequestTimer:
     """Observes one request's latencies as the handler sees its deltas."""
 
-    def __init__(self, metrics: ServerMetrics, stream: RequestStream) -> None:
+    def __init__(self, metrics: ServerMetrics, request: Request) -> None:
         self._metrics = metrics
-        self._stream = stream
+        self._request = request
         self._last_token_time: float | None = None
-        self._num_open = stream.num_choices  # the request ends with its last choice
+        self._num_open = request.num_choices  # the request ends with its last choice
         self.ended = False
 
     def observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
         if output.new_token_ids:
             if self._last_token_time is None:
-                self._metrics.ttft.observe(now - self._stream.arrival_time)
-                if self._stream.admitted_time is not None:
-                    self._metrics.queue.observe(self._stream.admitted_time - self._stream.arrival_time)
+                self._metrics.ttft.observe(now - self._request.arrival_time)
+                if self._request.admitted_time is not None:
+                    self._metrics.queue.observe(self._request.admitted_time - self._request.arrival_time)
             else:
                 self._metrics.itl.observe(now - self._last_token_time)
             self._last_token_time = now
@@ -117,6 +117,6 @@ class RequestTimer:
         if self.ended:
             return
         self.ended = True
-        self._metrics.e2e.observe(time.perf_counter() - self._stream.arrival_time)
+        self._metrics.e2e.observe(time.perf_counter() - self._request.arrival_time)
         metrics = self._metrics
         {FinishReason.ABORT: metrics.aborted, FinishReason.ERROR: metrics.failed}.get(finish_reason, metrics.finished).inc()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.batch import SampledToken
-from engine.outputs import RequestOutput
+from engine.outputs import ChoiceOutput, FinishReason, RequestOutput
+from engine.request import Request
 from web.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from web.tool_calls import ArgumentsPiece, ToolCallHeader, ToolCallParser
 from web.tool_calls.parser import CallSyntax, ParserEvent
@@ -20,9 +21,16 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def absorb(self, output: RequestOutput) -> None:
-        self.completion_tokens += len(output.new_token_ids)
-        self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+    @classmethod
+    def of_choices(cls, choices: list[ChoiceOutput]) -> Usage:
+        """One request's usage: its prompt counted once (the n choices share it), the choices' tokens summed."""
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return cls(choices[0].num_prompt_tokens, completion_tokens, max(c.num_cached_tokens for c in choices))
+
+    @classmethod
+    def of_request(cls, request: Request) -> Usage:
+        """The same, for a streamed request, from what its choices' deltas said."""
+        return cls(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -39,27 +47,6 @@ class EchoedPrompt:
 
     text: str
     token_ids: list[int]
-
-
-@dataclass(slots=True)
-class Completion:
-    """A whole result, for the non-streaming responses."""
-
-    usage: Usage
-    text: str = ""
-    logprobs: list[SampledToken] = field(default_factory=list)
-    prompt_logprobs: list[SampledToken | None] | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-    def absorb(self, output: RequestOutput) -> None:
-        self.usage.absorb(output)
-        self.text += output.text_delta
-        self.logprobs.extend(output.logprobs or [])
-        if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
-        if output.finished:
-            self.finish_reason, self.error = output.finish_reason, output.error
 
 
 class _Responses:
@@ -89,14 +76,6 @@ class _Responses:
 
     def _response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
-
-
-def request_usage(choices: list[Completion]) -> Usage:
-    """One request's usage: its prompt counted once (the n choices share it), the choices' tokens summed."""
-    usage = Usage(choices[0].usage.prompt_tokens)
-    usage.completion_tokens = sum(c.usage.completion_tokens for c in choices)
-    usage.cached_tokens = max(c.usage.cached_tokens for c in choices)
-    return usage
 
 
 class ChatResponses(_Responses):
@@ -145,20 +124,20 @@ class ChatResponses(_Responses):
             self._delta(d, logprobs=logprobs if i == 0 else None, index=output.index) for i, d in enumerate(deltas)
         ]
 
-    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
+    def finish_chunk(self, finish_reason: FinishReason, index: int = 0) -> dict:
         return self._delta({}, self._finish_reason(finish_reason, self._parser(index)), index=index)
 
     @staticmethod
-    def _finish_reason(finish_reason: str | None, parser: ToolCallParser | None) -> str | None:
+    def _finish_reason(finish_reason: FinishReason | None, parser: ToolCallParser | None) -> FinishReason | None:
         has_calls = parser is not None and bool(parser.calls)
-        return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+        return FinishReason.TOOL_CALLS if has_calls and finish_reason is FinishReason.STOP else finish_reason
 
-    def full_response(self, results: list[Completion]) -> dict:
+    def full_response(self, results: list[ChoiceOutput]) -> dict:
         """results: the request's choices, in index order."""
-        return self._response([self._choice(i, r) for i, r in enumerate(results)], request_usage(results))
+        return self._response([self._choice(i, r) for i, r in enumerate(results)], Usage.of_choices(results))
 
-    def _choice(self, index: int, result: Completion) -> dict[str, Any]:
-        logprobs = chat_logprobs(result.logprobs, self.token_text) if self.wants_logprobs else None
+    def _choice(self, index: int, result: ChoiceOutput) -> dict[str, Any]:
+        logprobs = chat_logprobs(result.logprobs or [], self.token_text) if self.wants_logprobs else None
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         parser = self._parser(index)
         if parser is not None:
@@ -217,14 +196,14 @@ class CompletionResponses(_Responses):
             return []
         return [self._text(output.text_delta, logprobs=logprobs, index=output.index)]
 
-    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
+    def finish_chunk(self, finish_reason: FinishReason, index: int = 0) -> dict:
         return self._text("", finish_reason, index=index)
 
-    def full_response(self, results: list[Completion]) -> dict:
+    def full_response(self, results: list[ChoiceOutput]) -> dict:
         """results: the request's choices, in index order."""
         return self.batch_response([results])
 
-    def batch_response(self, results: list[list[Completion]], echoes: list[EchoedPrompt] | None = None) -> dict:
+    def batch_response(self, results: list[list[ChoiceOutput]], echoes: list[EchoedPrompt] | None = None) -> dict:
         """The n choices of each prompt, prompt by prompt (choice index = prompt * n + i, as OpenAI numbers
         them); with echoes, each text (and its logprobs) starts with its prompt."""
         choices = [
@@ -232,14 +211,14 @@ class CompletionResponses(_Responses):
             for p, group in enumerate(results)
             for i, r in enumerate(group)
         ]
-        usages = [request_usage(group) for group in results]
+        usages = [Usage.of_choices(group) for group in results]
         usage = Usage(sum(u.prompt_tokens for u in usages))
         usage.completion_tokens = sum(u.completion_tokens for u in usages)
         usage.cached_tokens = sum(u.cached_tokens for u in usages)
         return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
 
-    def _choice(self, index: int, result: Completion, echo: EchoedPrompt | None) -> dict[str, Any]:
-        text, tokens = result.text, result.logprobs
+    def _choice(self, index: int, result: ChoiceOutput, echo: EchoedPrompt | None) -> dict[str, Any]:
+        text, tokens = result.text, result.logprobs or []
         if echo is not None:
             text = echo.text + text
             scored = result.prompt_logprobs or [None] * len(echo.token_ids)

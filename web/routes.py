@@ -4,6 +4,7 @@ streams; nothing here touches the engine's core."""
 from __future__ import annotations
 
 import time
+from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -14,13 +15,13 @@ from quart import Blueprint, Response, current_app, request
 
 from engine.async_engine import EngineState, QueueFull, Reservation
 from engine.input_processor import PreparedRequest
-from engine.outputs import FinishReason
-from engine.request_stream import RequestStream
+from engine.outputs import ChoiceOutput, FinishReason
+from engine.request import OutputStream
 from web.cluster.stats import ClusterStats
 from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
-from web.responses import ChatResponses, Completion, CompletionResponses, EchoedPrompt, ResponseFormat, Usage
+from web.responses import ChatResponses, CompletionResponses, EchoedPrompt, ResponseFormat
 from web.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from web.services import Services, services
 from web.sse import sse_response
@@ -34,8 +35,8 @@ async def chat_completions() -> Response:
     s = services()
     data, entry = await receive_body(s)
     body = parse_request(ChatCompletionRequest, parse_json(data))
-    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
     params = body.to_sampling_params()
+    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
     choice, function_name = body.tool_choice_kind()
     messages = [m.as_template_dict() for m in body.messages]
     plan = plan_tools(s.tool_format, messages, body.function_tools(), choice, function_name,
@@ -54,12 +55,12 @@ async def completions() -> Response:
     s = services()
     data, entry = await receive_body(s)
     body = parse_request(CompletionRequest, parse_json(data))
+    params = body.to_sampling_params()
     fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage)
     prompts = body.prompts()
     if len(prompts) > s.config.max_pending:
         raise APIError(400, f"{len(prompts)} prompts: at most max_pending ({s.config.max_pending}) per request",
                        param="prompt")  # fmt: skip
-    params = body.to_sampling_params()
     with admit(s, entry, len(prompts)) as reservation:
         if len(prompts) == 1 and not body.echo:
             prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
@@ -138,31 +139,30 @@ def parse_json(data: bytes) -> Any:
 async def generate(
     s: Services, reservation: Reservation, fmt: ResponseFormat, prepared: PreparedRequest, streaming: bool
 ) -> Response:
-    (stream,) = submit(s, reservation, [prepared])
-    timer = RequestTimer(s.metrics, stream)
+    outputs = reservation.generate(prepared)
+    timer = RequestTimer(s.metrics, outputs.request)
     if streaming:
-        return sse_response(stream, fmt, timer, s.engine.abort)
-    results = await collect(s, stream, timer)
+        return sse_response(outputs, fmt, timer)
+    results = await collect(outputs, timer)
     check_finished(results)
     return json_response(fmt.full_response(results))
 
 
-async def generate_batch(s: Services, reservation: Reservation, batch: list[PreparedRequest]) -> list[list[Completion]]:
-    """Every prompt of one request runs at once; a failed one fails the request (after the rest ended).
-    Each prompt's n choices, prompt by prompt."""
-    streams = submit(s, reservation, batch)
-    results: list[list[Completion]] = [[] for _ in streams]
+async def generate_batch(
+    s: Services, reservation: Reservation, batch: list[PreparedRequest]
+) -> list[list[ChoiceOutput]]:
+    """Every prompt of one request runs at once, queued all or none; a failed one fails the request (after the
+    rest ended). Each prompt's n choices, prompt by prompt."""
+    async with AsyncExitStack() as stack:  # closing a stream aborts its request if unfinished
+        streams = [await stack.enter_async_context(reservation.generate(prepared)) for prepared in batch]
+        results: list[list[ChoiceOutput]] = [[] for _ in streams]
 
-    async def collect_into(i: int) -> None:
-        results[i] = await collect(s, streams[i], RequestTimer(s.metrics, streams[i]))
+        async def collect_into(i: int) -> None:
+            results[i] = await collect(streams[i], RequestTimer(s.metrics, streams[i].request))
 
-    try:
         async with anyio.create_task_group() as tg:
             for i in range(len(streams)):
                 tg.start_soon(collect_into, i)
-    finally:
-        for stream in streams:  # the handler was cancelled before every task started: abort the rest
-            s.engine.abort(stream.request_id)
     for choices in results:
         check_finished(choices)
     return results
@@ -181,35 +181,21 @@ def admit(s: Services, entry: float, num_requests: int) -> Reservation:
     return reservation
 
 
-def submit(s: Services, reservation: Reservation, batch: list[PreparedRequest]) -> list[RequestStream]:
-    """Queue all or none: a failure aborts the ones this request already queued."""
-    streams: list[RequestStream] = []
+async def collect(outputs: OutputStream, timer: RequestTimer) -> list[ChoiceOutput]:
+    """The request's choices, whole, in index order."""
+    results = [ChoiceOutput(i, outputs.request_id) for i in range(outputs.request.num_choices)]
     try:
-        for prepared in batch:
-            streams.append(reservation.submit(prepared))
-    except BaseException:
-        for stream in streams:
-            s.engine.abort(stream.request_id)
-        raise
-    return streams
-
-
-async def collect(s: Services, stream: RequestStream, timer: RequestTimer) -> list[Completion]:
-    """The request's choices, in index order."""
-    results = [Completion(Usage(prompt_tokens=stream.num_prompt_tokens)) for _ in range(stream.num_choices)]
-    try:
-        async for output in stream:
-            timer.observe(output)
-            results[output.index].absorb(output)
+        async with outputs:
+            async for output in outputs:
+                timer.observe(output)
+                results[output.index].absorb(output)
     finally:
-        stream.close()
-        s.engine.abort(stream.request_id)
         if not timer.ended:  # the client left (the handler was cancelled)
             timer.end(FinishReason.ABORT)
     return results
 
 
-def check_finished(results: list[Completion]) -> None:
+def check_finished(results: list[ChoiceOutput]) -> None:
     for result in results:
         if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
             raise APIError(500, result.error or "the request ended without a result", code="engine_error")

@@ -1,4 +1,7 @@
-"""Request bodies of the OpenAI API, validated strictly (no "5" for 5), turned into SamplingParams."""
+"""Request bodies of the OpenAI API, validated strictly (no "5" for 5), turned into SamplingParams.
+
+These models check JSON shapes and types only. The ranges of the sampling parameters are SamplingParams' rule
+(engine/sampling_params.py): its InvalidRequest is a 400 naming the parameter as the request spelled it."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
 from web.strict_schema import closed_objects
@@ -59,18 +63,18 @@ class SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
@@ -113,10 +117,16 @@ class SamplingFields(RequestBody):
                                  json_object=bool(so.json_object))  # fmt: skip
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        wire_names: dict[str, str] | None = None,
     ) -> SamplingParams:
-        """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
-        return SamplingParams(
+        """InvalidRequest (400, naming the parameter) for values the engine cannot honour. wire_names: the
+        request's names of SamplingParams fields it spells otherwise (max_completion_tokens, top_logprobs)."""
+        return checked_sampling_params(
+            wire_names or {},
             max_tokens=max_tokens,
             min_tokens=_default(self.min_tokens, 0),
             temperature=_default(self.temperature, 1.0),
@@ -216,9 +226,9 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[ToolSpec] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
@@ -265,14 +275,17 @@ class ChatCompletionRequest(SamplingFields):
         ]
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        wire_names = {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            max_tokens, wire_names["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, wire_names=wire_names)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -298,7 +311,8 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         # OpenAI's legacy default for /v1/completions is 16 tokens. With echo, logprobs cover the prompt too.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self.sampling_params(self.max_tokens if self.max_tokens is not None else 16, self.logprobs, prompt_logprobs)
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, {"prompt_logprobs": "logprobs"})
 
 
 class TokenizeRequest(RequestBody):
@@ -348,6 +362,18 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\-].*)$")
 def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     parts = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.match(p)]
     return ".".join(parts) or None
+
+
+def checked_sampling_params(wire_names: dict[str, str], **values: Any) -> SamplingParams:
+    """SamplingParams(**values), whose InvalidRequest names the parameter as the request spells it (wire_names:
+    SamplingParams' field -> the request's name, where they differ)."""
+    try:
+        return SamplingParams(**values)
+    except InvalidRequest as error:
+        wire_name = wire_names.get(error.param or "")
+        if wire_name is None:
+            raise
+        raise InvalidRequest(error.message.replace(str(error.param), wire_name), wire_name) from None
 
 
 def _default(value: Any, default: Any) -> Any:

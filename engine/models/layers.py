@@ -113,6 +113,8 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """Llama's convention: the weight multiplies the normalised row after its cast back to x's dtype."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -124,12 +126,37 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def scale(self) -> torch.Tensor:
+        """The float32 factor each normalised value is multiplied by (what the native step needs)."""
+        return self.weight.detach().float().contiguous()
 
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`."""
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's convention: the checkpoint stores w and the row is scaled by (1 + w), in float32, then cast."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        return (1.0 + self.weight.detach().float()).contiguous()
+
+
+def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """transformers 5 keeps rope settings in `rope_parameters` (keyed by layer type when the types differ, as in
+    Gemma 3); 4.x in `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq` for sliding layers)."""
     params = getattr(hf_config, "rope_parameters", None)
-    if params:
+    if params and layer_type is not None and layer_type in params:
+        params = dict(params[layer_type])
+    elif params and not any(isinstance(v, dict) for v in params.values()):
         params = dict(params)
+    elif layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None):
+        params = {"rope_theta": hf_config.rope_local_base_freq}
     else:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -137,9 +164,10 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim / 2] and the cos/sin scale factor for the config's rope kind."""
-    p = _rope_parameters(hf_config)
+def rope_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the cos/sin scale factor for the config's rope kind (for the layers
+    of `layer_type` when the config gives each type its own)."""
+    p = _rope_parameters(hf_config, layer_type)
     kind = p["rope_type"]
     base = float(p["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -193,9 +221,9 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 class Rotary(nn.Module):
     """Rotary position embedding in the rotate-half layout of Hugging Face Llama checkpoints."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scale = rope_inv_freq(hf_config, head_dim)
+        inv_freq, scale = rope_inv_freq(hf_config, head_dim, layer_type)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos() * scale, freqs.sin() * scale
         self.half = head_dim // 2
@@ -213,6 +241,35 @@ class Rotary(nn.Module):
         return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
 
 
+def layer_window(hf_config: Any, layer_index: int) -> int | None:
+    """How many positions back (the query's own included) a layer attends, or None for all: Gemma 3's and
+    Qwen's sliding layers (`layer_types`), Mistral's every layer (`sliding_window` alone)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    return window if getattr(hf_config, "model_type", "") == "mistral" else None
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Q, K] bool: key j is visible to query i (causal, and inside the window: q - window < k <= q)."""
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        visible &= key_pos[None, :] > query_pos[:, None] - window
+    return visible
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """q [..., n, D], k / v [..., L, D], visible bool broadcastable to [..., n, L]: tanh-capped scores, as in
+    transformers' eager attention (no fused kernel caps the scores)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -220,8 +277,13 @@ def paged_attention(
     cache: LayerCache,
     ctx: StepContext,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend causally over each sequence's history: [T, H * D]."""
+    """Write this step's K/V into the cache, then attend causally over each sequence's history: [T, H * D].
+
+    With a window, a query at position p sees keys p - window + 1 .. p only, and the keys before the earliest
+    window of the step are not read at all (sliced off the stage, left out of a prefill's gather)."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -240,31 +302,53 @@ def paged_attention(
             decode_positions = ctx.positions[:nd]
             cache.k_stage[:, ctx.decode_rows, decode_positions] = k[:nd].transpose(0, 1)
             cache.v_stage[:, ctx.decode_rows, decode_positions] = v[:nd].transpose(0, 1)
-        if ctx.decode_sdpa:
+        k_stage, v_stage, mask = cache.k_stage, cache.v_stage, ctx.decode_mask
+        if window is not None or softcap is not None:
+            positions = ctx.positions[:nd]
+            lo = 0 if window is None else max(0, int(positions.min()) - window + 1)
+            k_stage, v_stage = k_stage[:, :, lo:], v_stage[:, :, lo:]
+            visible = _window_mask(positions, torch.arange(lo, lo + k_stage.shape[2]), window)  # [B, L']
+            mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None, None, :] if ctx.decode_sdpa or softcap is not None else mask.repeat(num_kv_heads, 1)[:, None, :]
+        if softcap is not None:
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            out = _softcapped_attention(qd, k_stage.transpose(0, 1), v_stage.transpose(0, 1), mask == 0, scale, softcap)
+            parts.append(out.reshape(nd, -1))
+        elif ctx.decode_sdpa:
             # one or two rows: SDPA's flash kernel, the G query heads of a KV head as G query rows
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-            keys, values = cache.k_stage.transpose(0, 1), cache.v_stage.transpose(0, 1)  # [B, KVH, L, D]
-            out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=ctx.decode_mask, scale=scale)
+            keys, values = k_stage.transpose(0, 1), v_stage.transpose(0, 1)  # [B, KVH, L, D]
+            out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=scale)
             parts.append(out.reshape(nd, -1))
         else:
             # more rows: batched matmuls by hand, several times faster than SDPA here
-            keys = cache.k_stage.view(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
-            values = cache.v_stage.view(num_kv_heads * nd, -1, head_dim)
+            keys = k_stage.reshape(num_kv_heads * nd, -1, head_dim)  # [KVH*B, L, D]
+            values = v_stage.reshape(num_kv_heads * nd, -1, head_dim)
             qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1).reshape(-1, group, head_dim)
-            scores = torch.baddbmm(ctx.decode_mask, qd, keys.transpose(1, 2), alpha=scale)  # [KVH*B, G, L]
+            scores = torch.baddbmm(mask, qd, keys.transpose(1, 2), alpha=scale)  # [KVH*B, G, L]
             out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KVH*B, G, D]
             parts.append(out.view(num_kv_heads, nd, group * head_dim).transpose(0, 1).reshape(nd, -1))
 
     for span in ctx.prefills:
+        n = span.end - span.start
+        kv_len = span.start_pos + n
         qs = q[span.start : span.end].transpose(0, 1)  # [H, n, D]
+        lo = 0 if window is None else max(0, span.start_pos - window + 1)  # the first key any query sees
         if span.kv_slots is None:
             ks, vs = k[span.start : span.end].transpose(0, 1), v[span.start : span.end].transpose(0, 1)
         else:
-            ks, vs = k_flat.index_select(1, span.kv_slots), v_flat.index_select(1, span.kv_slots)
+            ks, vs = k_flat.index_select(1, span.kv_slots[lo:]), v_flat.index_select(1, span.kv_slots[lo:])
+        mask = span.mask
+        if softcap is not None or (window is not None and kv_len > window):
+            mask = _window_mask(torch.arange(span.start_pos, kv_len), torch.arange(lo, kv_len), window)
         if group > 1:  # enable_gqa=True falls back to SDPA's slow math path on CPU
             ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+        if softcap is not None:
+            o = _softcapped_attention(qs, ks, vs, mask, scale, softcap)
+            parts.append(o.transpose(0, 1).reshape(n, -1))
+            continue
         o = F.scaled_dot_product_attention(
-            qs[None], ks[None], vs[None], attn_mask=span.mask, is_causal=span.mask is None, scale=scale
+            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale
         )  # 4-D inputs: the flash kernel for CPU
-        parts.append(o[0].transpose(0, 1).reshape(span.end - span.start, -1))
+        parts.append(o[0].transpose(0, 1).reshape(n, -1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA, SwiGLU.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2): RMSNorm, RoPE, GQA, SwiGLU; Qwen 3 adds
+an RMSNorm over each query and key head before the rotation; sliding-window layers where the config has them.
 
 q/k/v and gate/up are fused into one linear each; checkpoints are mapped onto the fused weights on load.
 """
@@ -12,10 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, paged_attention
+from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, layer_window, paged_attention
+
+# model types whose attention normalises each query and key head (weights q_norm / k_norm)
+QK_NORM_MODEL_TYPES = {"qwen3"}
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, rotary: Rotary) -> None:
+    def __init__(self, cfg: Any, rotary: Rotary, layer_index: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -28,13 +32,23 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        self.window = layer_window(cfg, layer_index)
+        self.softcap: float | None = None
+        has_qk_norm = cfg.model_type in QK_NORM_MODEL_TYPES
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if has_qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: StepContext, kv_cache: LayerCache) -> torch.Tensor:
         qkv = self.qkv_proj(x, ctx.use_quant).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], ctx)  # one rotation for q and k
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is None:
+            qk = self.rotary(qkv[:, : self.num_heads + self.num_kv_heads], ctx)  # one rotation for q and k
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            q, k = self.rotary(qk, ctx).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        o = paged_attention(q, k, v, kv_cache, ctx, self.scale)
+        o = paged_attention(q, k, v, kv_cache, ctx, self.scale, self.window, self.softcap)
         return self.o_proj(o, ctx.use_quant)
 
 
@@ -52,10 +66,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, rotary: Rotary) -> None:
+    def __init__(self, cfg: Any, rotary: Rotary, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -71,7 +85,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = Rotary(cfg, head_dim, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -83,12 +97,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.build_model(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
+
+    def build_model(self, cfg: Any) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm): where a variant of the family differs."""
+        return LlamaModel(cfg)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext, kv_caches: list[LayerCache]) -> torch.Tensor:
         """[T] token ids -> [T, hidden] hidden states before the final norm; writes K/V into kv_caches."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 
@@ -13,12 +14,16 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
 

@@ -1,6 +1,7 @@
-"""The native forward pass of our Llama model: its weights packed once (Q4_1 linears, Q8_0 embedding and
-lm_head, float32 norms and rope tables), then one C++ call for all layers of a step and one for the logits,
-each releasing the GIL for its whole run.
+"""The native forward pass of our Llama-family models (Llama, Mistral, Qwen 2/3, Gemma 3): weights packed once
+(Q4_1 linears, Q8_0 embedding and lm_head, float32 norms and rope tables), then one C++ call for all layers of a
+step and one for the logits, each releasing the GIL for its whole run. What a variant changes (q/k norms, Gemma's
+sandwich norms, GeGLU, scales, per-layer rope and sliding windows) is read off our model and passed as options.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from types import ModuleType
 
 import torch
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.native.packing import GROUP, Q4Packed, pack_q4, pack_q8
 
@@ -26,11 +28,17 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     attn = model.model.layers[0].self_attn
     if cfg.hidden_size % GROUP or cfg.intermediate_size % GROUP or attn.q_size % GROUP:
         return f"hidden / intermediate / attention sizes must be multiples of {GROUP}"
-    if attn.head_dim not in (16, 32, 64, 128):
-        return "head_dim must be 16, 32, 64 or 128"
+    if attn.head_dim not in (16, 32, 64, 128, 256):
+        return "head_dim must be 16, 32, 64, 128 or 256"
     if model.lm_head.bias is not None:
         return "lm_head has a bias"
+    if any(layer.self_attn.softcap is not None for layer in model.model.layers):
+        return "attention logit soft-capping"
     return None
+
+
+def _norm_or_empty(norm: torch.nn.Module | None) -> torch.Tensor:
+    return torch.empty(0) if norm is None else norm.scale()
 
 
 class NativeLlamaStep:
@@ -47,15 +55,29 @@ class NativeLlamaStep:
         self.impl = ops.NativeLlama(
             cfg.hidden_size, cfg.intermediate_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             float(cfg.rms_norm_eps), self.vocab_size, embed.qs, embed.scale, head.qs, head.scale,
-            model.model.norm.weight.detach().float().contiguous(),
-            rotary.cos.float().contiguous(), rotary.sin.float().contiguous(),
+            model.model.norm.scale(), rotary.cos.float().contiguous(), rotary.sin.float().contiguous(),
         )  # fmt: skip
-        for layer in model.model.layers:
+        is_gemma = isinstance(model, Gemma3ForCausalLM)
+        if is_gemma:
+            cap = getattr(cfg, "final_logit_softcapping", None) or 0.0
+            self.impl.set_model_options(model.model.embed_scale, attn.scale, True, float(cap))
+        for index, layer in enumerate(model.model.layers):
+            # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention
+            before_mlp = layer.pre_feedforward_layernorm if is_gemma else layer.post_attention_layernorm
             self.impl.add_layer(
-                layer.input_layernorm.weight.detach().float().contiguous(),
-                layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                layer.input_layernorm.scale(), before_mlp.scale(),
                 _q4_args(layer.self_attn.qkv_proj), _q4_args(layer.self_attn.o_proj),
                 _q4_args(layer.mlp.gate_up_proj), _q4_args(layer.mlp.down_proj),
+            )  # fmt: skip
+            layer_attn = layer.self_attn
+            own_rotary = layer_attn.rotary is not rotary
+            self.impl.set_layer_options(
+                index, _norm_or_empty(layer_attn.q_norm), _norm_or_empty(layer_attn.k_norm),
+                _norm_or_empty(layer.post_attention_layernorm if is_gemma else None),
+                _norm_or_empty(layer.post_feedforward_layernorm if is_gemma else None),
+                layer_attn.rotary.cos.float().contiguous() if own_rotary else torch.empty(0),
+                layer_attn.rotary.sin.float().contiguous() if own_rotary else torch.empty(0),
+                layer_attn.window or 0,
             )  # fmt: skip
 
     def set_kv_caches(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:

@@ -1,12 +1,13 @@
 """The front's engine when the engines are replicas on Ray Serve: the same face the routes use on an AsyncEngine
-(reserve / submit / abort / stats / prepare_* / run / drain), so that the HTTP layer does not change.
+(reserve / generate / abort / stats / prepare_* / run / drain), so that the HTTP layer does not change.
 
 The front tokenizes and checks here (the replicas' tokenizer travels to it), routes each prepared request to
-one replica (web/cluster/router.py), and pumps that replica's deltas into a local RequestStream, which the
-SSE writer reads exactly as it reads a local engine's. Every request's stream ends once: the replica's finish,
-an abort (client gone, drain: the replica's stream is cancelled, which frees its KV before its next step), or
-an error event when the replica fails (its process died). A failed replica leaves the routing at once and
-rejoins when it answers again (Ray Serve restarts it; a new process forgets its prefix memory).
+one replica (web/cluster/router.py), and pumps that replica's deltas into a local Request (engine/request.py),
+whose OutputStream the SSE writer reads exactly as it reads a local engine's. Every request's stream ends once:
+the replica's finish, an abort (client gone, drain: the replica's stream is cancelled, which frees its KV
+before its next step), or an error event when the replica fails (its process died). A failed replica leaves
+the routing at once and rejoins when it answers again (Ray Serve restarts it; a new process forgets its prefix
+memory).
 Only the event-loop thread touches this state; Ray calls are awaited, never blocking the loop, except the
 start and the shutdown of Ray, which run in a worker thread.
 """
@@ -29,7 +30,7 @@ from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reser
 from engine.config import SluiceConfig
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.outputs import FinishReason
-from engine.request_stream import RequestStream
+from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
 from web.cluster.router import Router, prompt_block_hashes
 from web.cluster.stats import ClusterStats, ReplicaStats
@@ -65,7 +66,7 @@ class ReplicaSlot:
 
 @dataclass(eq=False)
 class _InFlight:
-    stream: RequestStream
+    request: Request
     slot: ReplicaSlot
     scope: anyio.CancelScope
 
@@ -88,7 +89,7 @@ class ClusterEngine:
         self._max_num_seqs = 0
         self._block_size = 16
         self._requests: dict[str, _InFlight] = {}
-        self._num_reserved = 0  # admission slots held by requests still being prepared (see Reservation)
+        self._num_reserved = 0  # admission slots held by requests still being prepared (Reservation)
         self._tg: TaskGroup | None = None
         self._stop = anyio.Event()
         self._all_finished: anyio.Event | None = None
@@ -144,11 +145,15 @@ class ClusterEngine:
         if num_held + num_requests > capacity:
             raise QueueFull(f"{num_held} requests are in flight or being prepared, for {capacity} places")
         self._num_reserved += num_requests
-        return Reservation(self, num_requests)  # type: ignore[arg-type]  # it needs _enqueue and _num_reserved
+        return Reservation(self, num_requests)  # type: ignore[arg-type]  # it needs queue and give_back
 
-    def submit(self, request: PreparedRequest) -> RequestStream:
+    def generate(self, prepared: PreparedRequest) -> OutputStream:
         with self.reserve(1) as reservation:
-            return reservation.submit(request)
+            return reservation.generate(prepared)
+
+    def give_back(self, num_slots: int) -> None:
+        """Admission slots of requests that were never queued (a Reservation's unspent ones)."""
+        self._num_reserved -= num_slots
 
     def abort(self, request_id: str) -> bool:
         """End a request now ("abort"); its replica's stream is cancelled. Idempotent."""
@@ -279,19 +284,12 @@ class ClusterEngine:
 
     def _abort_unread(self) -> None:
         """A client that leaves its output unread past client_read_timeout is aborted, as by one process."""
-        now = time.monotonic()
-        for flight in list(self._requests.values()):
-            stream = flight.stream
-            if stream.unread_since is not None and now - stream.unread_since > self.client_read_timeout:
-                logger.info("request %s: output unread for %.0f s; aborting it", stream.request_id,
-                            now - stream.unread_since)  # fmt: skip
-                self.abort(stream.request_id)
-                if stream.on_read_timeout is not None:
-                    stream.on_read_timeout()
+        abort_abandoned([flight.request for flight in self._requests.values()], self.client_read_timeout, self.abort)
 
     # -- one request ----------------------------------------------------------------------------------------
-    def _enqueue(self, request: PreparedRequest) -> RequestStream:
-        """Route and start pumping (Reservation.submit calls this with a slot held)."""
+    def queue(self, shell: Request, request: PreparedRequest) -> OutputStream:
+        """Route and start pumping (Reservation.generate calls this with a slot held): the slot moves from the
+        requests being prepared to those in flight."""
         self._ready()
         router = self._router
         assert router is not None and self._tg is not None
@@ -306,16 +304,18 @@ class ClusterEngine:
         if route is None:
             raise EngineUnavailable(EngineState.LOADING)  # every replica left between reserve() and now
         slot = self._slots[route.replica]
-        stream = RequestStream(request)
+        shell.bind(request)
+        shell.start()  # the replica queues it
+        self._num_reserved -= 1
         scope = anyio.CancelScope()
-        self._requests[request.request_id] = _InFlight(stream, slot, scope)
+        self._requests[request.request_id] = _InFlight(shell, slot, scope)
         slot.num_in_flight += 1
         # A grammar matcher cannot travel; the replica compiles its own from params.structured_outputs.
         wire = replace(request, matcher=None) if request.matcher is not None else request
-        self._tg.start_soon(self._pump, wire, stream, slot, scope)
-        return stream
+        self._tg.start_soon(self._pump, wire, shell, slot, scope)
+        return OutputStream(shell, self.abort)
 
-    async def _pump(self, request: PreparedRequest, stream: RequestStream, slot: ReplicaSlot, scope: anyio.CancelScope) -> None:
+    async def _pump(self, request: PreparedRequest, stream: Request, slot: ReplicaSlot, scope: anyio.CancelScope) -> None:
         responses = None
         try:
             with scope:
@@ -334,7 +334,7 @@ class ClusterEngine:
             if responses is not None and not stream.is_finished:
                 responses.cancel()  # the replica's generator gets CancelledError and frees the request
             slot.num_in_flight -= 1
-            if stream.is_finished or stream.is_closed:
+            if stream.is_finished or stream.is_reader_gone:
                 self._forget(request.request_id)
 
     def _replica_failed(self, slot: ReplicaSlot, error: BaseException) -> None:
@@ -346,10 +346,10 @@ class ClusterEngine:
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
         flight = self._requests.get(request_id)
-        if flight is None or flight.stream.is_finished:
+        if flight is None or flight.request.is_finished:
             self._forget(request_id)
             return False
-        flight.stream.end(reason, error)
+        flight.request.end(reason, error)
         flight.scope.cancel()
         self._forget(request_id)
         return True

@@ -140,13 +140,9 @@ class EngineReplica:
         if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
             compiler = self._llm.input_processor.grammar_compiler
             request = replace(request, matcher=compiler.compile(request.params.structured_outputs))
-        stream = self.engine.submit(request)
-        try:
-            async for output in stream:
+        async with self.engine.generate(request) as outputs:  # closing it (a cancelled stream) aborts
+            async for output in outputs:
                 yield output
-        finally:
-            stream.close()
-            self.engine.abort(request.request_id)
 
     async def drain(self, timeout: float) -> None:
         await self.engine.drain(timeout)

@@ -68,7 +68,7 @@ class ResponseBuilder:
         if self.parser is not None:
             for parsed in self.parser.finish():
                 events += self._parsed(parsed)
-        is_whole = reason is FinishReason.STOP
+        is_whole = reason in (FinishReason.STOP, FinishReason.TOOL_CALLS)  # the engine says STOP; be safe
         if not self.output and is_whole:  # an empty answer is still a message
             events += self._open_message()
         events += self._close("completed" if is_whole else "incomplete")

@@ -12,7 +12,8 @@ from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
 from web.responses_api.conversation import Item, function_call, function_call_output, message
-from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel  # _TYPE_TAG: union members pydantic puts in `loc`
+# _TYPE_TAG: union members pydantic puts in `loc`
+from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params
 from web.strict_schema import closed_objects
 from web.tool_calls import FunctionTool
 
@@ -81,11 +82,11 @@ class ResponsesRequest(BaseModel):
     model_config = StrictModel
 
     model: str
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    input: str | list[Any]  # items are checked one by one (input_items), to name the one at fault
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: int | None = None  # the ranges of these three are SamplingParams' (one rule)
+    temperature: float | None = None
+    top_p: float | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
@@ -119,6 +120,8 @@ class ResponsesRequest(BaseModel):
                 raise APIError(400, f"include {value!r} is not supported by this server", param="include")
         if isinstance(self.input, str) and not self.input:
             raise APIError(400, "input must not be empty", param="input")
+        if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
+            raise APIError(400, f"input has {len(self.input)} items, at most {MAX_INPUT_ITEMS}", param="input")
         self._check_metadata()
         fmt = self.text_format()
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
@@ -195,7 +198,8 @@ class ResponsesRequest(BaseModel):
 
     def to_sampling_params(self) -> SamplingParams:
         """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
-        return SamplingParams(
+        return checked_sampling_params(
+            {"max_tokens": "max_output_tokens"},
             max_tokens=self.max_output_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -231,7 +235,9 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-def _input_item(raw: dict[str, Any], where: str) -> Item:
+def _input_item(raw: Any, where: str) -> Item:
+    if not isinstance(raw, dict):
+        raise APIError(400, f"{where}: an input item must be an object, not {type(raw).__name__}", param=where)
     kind = raw.get("type", "message" if "role" in raw else None)
     if kind == "message":
         item = _validate(MessageItem, raw, where)

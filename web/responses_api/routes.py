@@ -18,12 +18,13 @@ from web.api_keys import bearer_token
 from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
+from web.responses import Usage
 from web.responses_api.conversation import Item, chat_messages, output_items_as_input
 from web.responses_api.output import ResponseBuilder, new_id, usage_object
 from web.responses_api.request import ResponsesRequest, parse_responses_request
 from web.responses_api.store import ResponseStore
 from web.responses_api.stream import response_events
-from web.routes import admit, collect, parse_json, receive_body, submit
+from web.routes import admit, collect, parse_json, receive_body
 from web.services import Services, services
 from web.sse import event_stream_response
 from web.tool_calls import plan_tools
@@ -61,14 +62,13 @@ async def create_response() -> Response:
             if error.param != "messages":
                 raise
             raise APIError(400, error.message.replace("the messages", "the input"), param="input") from None
-        (stream,) = submit(s, reservation, [prepared])
-    timer = RequestTimer(s.metrics, stream)
+        outputs = reservation.generate(prepared)
+    timer = RequestTimer(s.metrics, outputs.request)
     if body.stream:
-        return event_stream_response(response_events(stream, builder, timer, s.engine.abort, keep),
-                                     stream.request_id, s.engine.abort)  # fmt: skip
-    (result,) = await collect(s, stream, timer)
+        return event_stream_response(response_events(outputs, builder, timer, keep))
+    (result,) = await collect(outputs, timer)
     builder.feed(result.text)
-    usage = result.usage
+    usage = Usage.of_choices([result])
     builder.finish(result.finish_reason, result.error,
                    usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))  # fmt: skip
     keep(builder)

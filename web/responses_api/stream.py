@@ -1,6 +1,7 @@
 """A response's events as server-sent events (`event: <type>` and `data: <json>`, no [DONE]): the opening events
 at once, the deltas as the engine makes them, exactly one terminal event on every path that the client is
-still there to see. A client that leaves is aborted in `finally` (its KV freed by the loop between steps)."""
+still there to see. A client that leaves closes the output stream, which aborts the request (its KV freed by
+the loop between steps)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import FinishReason
-from engine.request_stream import RequestStream
+from engine.request import OutputStream
 from web.json_response import dumps
 from web.metrics import RequestTimer
 from web.responses_api.output import Event, ResponseBuilder, usage_object
@@ -20,40 +21,37 @@ def encode_events(events: list[Event]) -> bytes:
 
 
 async def response_events(
-    stream: RequestStream,
+    outputs: OutputStream,
     builder: ResponseBuilder,
     timer: RequestTimer,
-    abort: Callable[[str], bool],
     on_finished: Callable[[ResponseBuilder], None],
 ) -> AsyncIterator[bytes]:
     """on_finished: called with the finished response before its terminal event is sent (the store keeps it
     then, so that a client acting on the terminal event finds it)."""
-    usage = Usage(prompt_tokens=stream.num_prompt_tokens)
     # A client that stops reading blocks this task in a socket write; the engine's watchdog aborts the
     # request after client_read_timeout and cancels the task, which closes the connection.
     current = asyncio.current_task()
-    stream.on_read_timeout = current.cancel if current is not None else None
+    outputs.request.on_read_timeout = current.cancel if current is not None else None
     try:
-        yield encode_events(builder.start())
-        reason, error = FinishReason.ERROR, "the request ended without a result"
-        async for output in stream:
-            timer.observe(output)
-            usage.absorb(output)
-            events = builder.feed(output.text_delta)
-            if output.finished:
-                reason, error = output.finish_reason or FinishReason.ERROR, output.error
-                break
-            if events:
-                yield encode_events(events)
-        else:
-            events = []
-            timer.end(FinishReason.ERROR)
-        events += builder.finish(reason, error, usage_object(usage.prompt_tokens, usage.completion_tokens,
-                                                             usage.cached_tokens))  # fmt: skip
-        on_finished(builder)
-        yield encode_events(events)
+        async with outputs:
+            yield encode_events(builder.start())
+            reason, error = FinishReason.ERROR, "the request ended without a result"
+            async for output in outputs:
+                timer.observe(output)
+                events = builder.feed(output.text_delta)
+                if output.finished:
+                    reason, error = output.finish_reason or FinishReason.ERROR, output.error
+                    break
+                if events:
+                    yield encode_events(events)
+            else:
+                events = []
+                timer.end(FinishReason.ERROR)
+            usage = Usage.of_request(outputs.request)
+            events += builder.finish(reason, error, usage_object(usage.prompt_tokens, usage.completion_tokens,
+                                                                 usage.cached_tokens))  # fmt: skip
+            on_finished(builder)
+            yield encode_events(events)
     finally:
-        stream.close()
-        abort(stream.request_id)
         if not timer.ended:  # the client left, or was cut off for not reading
             timer.end(FinishReason.ABORT)

@@ -1,4 +1,7 @@
 // Sluice's native Llama step: the whole decoder stack (and the lm_head) as one call each, the GIL released.
+// The family's variants are options of the same step, not copies of it: per model (embedding scale, attention
+// scale, GeGLU instead of SwiGLU, final logit soft-cap) and per layer (q/k norms per head, post-attention and
+// post-MLP norms, the layer's own rope tables, a sliding window): Qwen 3 and Gemma 3 beside Llama.
 //
 // Weights: Q4_1 (4-bit, per 32-group scale and minimum) for every linear of the layers, Q8_0 (int8, per
 // 32-group scale) for the token embedding and lm_head: the grids of the GGUF file, reproduced exactly.
@@ -174,6 +177,7 @@ struct Kernels {
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
   decltype(&isa_base::silu_mul) silu_mul;
+  decltype(&isa_base::gelu_tanh_mul) gelu_tanh_mul;
   decltype(&isa_base::rope) rope;
   decltype(&isa_base::store_k_f32) store_k_f32;
   decltype(&isa_base::store_k_bf16) store_k_bf16;
@@ -183,7 +187,8 @@ struct Kernels {
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::quantize_q16, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::rope, ns::store_k_f32, \
+    #ns, ns::q4_gemm, ns::quantize_q16, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
+        ns::rope, ns::store_k_f32,                                                                          \
         ns::store_k_bf16, ns::attend_f32, ns::attend_bf16                                                   \
   }
 
@@ -314,7 +319,14 @@ struct Q8Matrix {
 struct Layer {
   at::Tensor input_norm, post_norm;
   Q4Linear qkv, o, gate_up, down;
+  // options (set_layer_options); an undefined tensor is an absent step
+  at::Tensor q_norm, k_norm;  // [D] scales of each query / key head's RMSNorm, before the rotation (Qwen 3, Gemma 3)
+  at::Tensor attn_out_norm, mlp_out_norm;  // [hidden] norms of the attention / MLP output before its residual add
+  at::Tensor cos, sin;  // this layer's rope tables when they differ from the model's (Gemma 3's global layers)
+  int window = 0;  // > 0: a query at position p attends keys p - window + 1 .. p only
 };
+
+const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N) {
   check_f32(x, "x");
@@ -344,8 +356,9 @@ class NativeLlama {
       : H_(hidden), I_(intermediate), heads_(num_heads), kv_heads_(num_kv_heads), D_(head_dim), eps_(eps),
         vocab_(vocab), embed_(embed_qs, embed_scale, hidden, vocab), head_(head_qs, head_scale, hidden, vocab),
         final_norm_(final_norm), cos_(cos), sin_(sin) {
-    TORCH_CHECK(H_ % 32 == 0 && I_ % 32 == 0 && (D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128),
+    TORCH_CHECK(H_ % 32 == 0 && I_ % 32 == 0 && (D_ == 16 || D_ == 32 || D_ == 64 || D_ == 128 || D_ == 256),
                 "unsupported model shape");
+    attn_scale_ = 1.0f / std::sqrt((float)D_);
     TORCH_CHECK(heads_ % kv_heads_ == 0, "unsupported head grouping");
     check_f32(final_norm_, "final_norm");
     check_f32(cos_, "cos");
@@ -362,6 +375,41 @@ class NativeLlama {
                             Q4Linear(o[0], o[1], o[2], o[3], heads_ * D_, H_),
                             Q4Linear(gate_up[0], gate_up[1], gate_up[2], gate_up[3], H_, 2 * I_),
                             Q4Linear(down[0], down[1], down[2], down[3], I_, H_)});
+  }
+
+  // Gemma's: embeddings times sqrt(hidden), scores times query_pre_attn_scalar^-1/2, GeGLU, capped logits.
+  void set_model_options(double embed_scale, double attn_scale, bool gelu_tanh, double final_softcap) {
+    embed_scale_ = (float)embed_scale;
+    attn_scale_ = (float)attn_scale;
+    gelu_tanh_ = gelu_tanh;
+    final_softcap_ = (float)final_softcap;
+  }
+
+  // Empty tensors leave a step out. cos / sin: [positions, D] like the model's.
+  void set_layer_options(int64_t index, at::Tensor q_norm, at::Tensor k_norm, at::Tensor attn_out_norm,
+                         at::Tensor mlp_out_norm, at::Tensor cos, at::Tensor sin, int64_t window) {
+    TORCH_CHECK(index >= 0 && index < (int64_t)layers_.size(), "no such layer");
+    Layer& layer = layers_[index];
+    auto optional = [](const at::Tensor& t, int64_t n, const char* what) {
+      if (!t.numel()) return at::Tensor();
+      check_f32(t, what);
+      TORCH_CHECK(t.numel() == n, what, ": wrong size");
+      return t;
+    };
+    layer.q_norm = optional(q_norm, D_, "q_norm");
+    layer.k_norm = optional(k_norm, D_, "k_norm");
+    layer.attn_out_norm = optional(attn_out_norm, H_, "attn_out_norm");
+    layer.mlp_out_norm = optional(mlp_out_norm, H_, "mlp_out_norm");
+    if (cos.numel()) {
+      check_f32(cos, "cos");
+      check_f32(sin, "sin");
+      TORCH_CHECK(cos.sizes() == cos_.sizes() && sin.sizes() == cos_.sizes(), "layer rope tables: wrong shape");
+      layer.cos = cos, layer.sin = sin;
+    } else {
+      layer.cos = at::Tensor(), layer.sin = at::Tensor();
+    }
+    TORCH_CHECK(window >= 0, "window must be >= 0");
+    layer.window = (int)window;
   }
 
   void set_kv_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
@@ -426,14 +474,19 @@ class NativeLlama {
     for (int64_t i = 0; i < T; i++) is_decode[i] = seq_tokens[seq[i]] == 1;
     const int Lp = (int)((max_len + 15) / 16 * 16);
 
-    for (int64_t i = 0; i < T; i++) embed_.row(id[i], h + i * H);
-    const float* cos = cos_.data_ptr<float>();
-    const float* sin = sin_.data_ptr<float>();
-    const float scale = 1.0f / std::sqrt((float)D);
+    for (int64_t i = 0; i < T; i++) {
+      embed_.row(id[i], h + i * H);
+      if (embed_scale_ != 1.0f)
+        for (int j = 0; j < H; j++) h[i * H + j] *= embed_scale_;
+    }
+    const float scale = attn_scale_;
     const int64_t head_stride = num_blocks_ * block_size_ * D;
 
     for (size_t l = 0; l < layers_.size(); l++) {
       const Layer& layer = layers_[l];
+      const float* cos = (layer.cos.defined() ? layer.cos : cos_).data_ptr<float>();
+      const float* sin = (layer.sin.defined() ? layer.sin : sin_).data_ptr<float>();
+      const float *q_norm = data_or_null(layer.q_norm), *k_norm = data_or_null(layer.k_norm);
       const float* pending = l == 0 ? nullptr : out.data();  // the previous layer's MLP output, not yet added
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
@@ -444,6 +497,11 @@ class NativeLlama {
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
           float* row = qkv.data() + i * QKV;
+          if (q_norm)
+            for (int hd = 0; hd < heads_; hd++) kern.add_rmsnorm(row + hd * D, nullptr, q_norm, eps_, D, row + hd * D, nullptr);
+          if (k_norm)
+            for (int hd = heads_; hd < heads_ + kv_heads_; hd++)
+              kern.add_rmsnorm(row + hd * D, nullptr, k_norm, eps_, D, row + hd * D, nullptr);
           kern.rope(row, heads_ + kv_heads_, D, cos + pos[i] * D, sin + pos[i] * D);
           for (int kh = 0; kh < kv_heads_; kh++) {
             const float* kr = row + (heads_ + kh) * D;
@@ -474,19 +532,21 @@ class NativeLlama {
           const int* table = tables + (int64_t)seq[i] * max_blocks;
           float* o = attn.data() + i * heads_ * D + head * D;
           const int L = (int)(pos[i] + 1);
+          const int first = layer.window > 0 && L > layer.window ? L - layer.window : 0;
           if (kv_bf16_) {
             const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
             const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, L, is_decode[i], scale, scores.data(), o);
+            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, first, L, is_decode[i], scale, scores.data(), o);
           } else {
             const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
             const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, L, is_decode[i], scale, scores.data(), o);
+            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, first, L, is_decode[i], scale, scores.data(), o);
           }
         }
       });
       const int AD = heads_ * D;
       layer.o.run(attn.data(), AD, (int)T, out.data(), H);
+      if (layer.attn_out_norm.defined()) normalize_rows(out.data(), T, layer.attn_out_norm);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
           kern.add_rmsnorm(h + i * H, out.data() + i * H, layer.post_norm.data_ptr<float>(), eps_, H,
@@ -495,10 +555,12 @@ class NativeLlama {
       layer.gate_up.run(xn.data(), H, (int)T, gu.data(), 2 * I);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
-          kern.silu_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
+          if (gelu_tanh_) kern.gelu_tanh_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
+          else kern.silu_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
         }
       });
       layer.down.run(act.data(), I, (int)T, out.data(), H);
+      if (layer.mlp_out_norm.defined()) normalize_rows(out.data(), T, layer.mlp_out_norm);
     }
     for (int64_t i = 0; i < (int64_t)T * H; i++) h[i] += out[i];
     return hidden;
@@ -515,10 +577,22 @@ class NativeLlama {
                             nullptr);
     at::Tensor out = at::empty({N, vocab_}, at::kFloat);
     head_.run(xn.data(), H_, (int)N, out.data_ptr<float>(), vocab_);
+    if (final_softcap_ > 0.0f) {
+      float* y = out.data_ptr<float>();
+      for (int64_t i = 0; i < N * vocab_; i++) y[i] = std::tanh(y[i] / final_softcap_) * final_softcap_;
+    }
     return out;
   }
 
  private:
+  // rows [T, hidden] of x replaced by their RMSNorm times w, in place
+  void normalize_rows(float* x, int64_t T, const at::Tensor& w) const {
+    const Kernels& kern = kernels();
+    at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; i++) kern.add_rmsnorm(x + i * H_, nullptr, w.data_ptr<float>(), eps_, H_, x + i * H_, nullptr);
+    });
+  }
+
   int H_, I_, heads_, kv_heads_, D_;
   float eps_;
   int64_t vocab_;
@@ -528,6 +602,8 @@ class NativeLlama {
   std::vector<at::Tensor> k_, v_;
   int64_t num_blocks_ = 0, block_size_ = 0;
   bool kv_bf16_ = false;
+  float embed_scale_ = 1.0f, attn_scale_ = 1.0f, final_softcap_ = 0.0f;
+  bool gelu_tanh_ = false;
 };
 
 }  // namespace
@@ -543,6 +619,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &NativeLlama::add_layer)
+      .def("set_model_options", &NativeLlama::set_model_options)
+      .def("set_layer_options", &NativeLlama::set_layer_options)
       .def("set_kv_caches", &NativeLlama::set_kv_caches)
       .def("forward", &NativeLlama::forward, release())
       .def("logits", &NativeLlama::logits, release());
