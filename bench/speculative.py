@@ -85,6 +85,7 @@ async def measure(target: Target, args) -> dict[str, dict[str, float]]:
         steps = after.get("steps", 0) - before.get("steps", 0)
         if steps:
             levels["grounded 1"]["tokens_per_verify"] = (after["emitted_tokens"] - before["emitted_tokens"]) / steps
+    print(f"bench: {target.name} grounded: {levels['grounded 1']}", file=sys.stderr)
     for n in args.open_streams:
         prompts = [OPEN_ENDED[i % len(OPEN_ENDED)] for i in range(n)]
         levels[f"open {n}"] = await run_level(target, prompts, n, args.open_max_tokens, True)

@@ -93,7 +93,10 @@ class Speculator:
             state = seq.speculation = SeqSpeculation(config, self.prior_acceptance)
         is_probe = False
         if config.mode == "auto":
-            max_drafts = self._worth(state.acceptance, max_drafts, num_running)
+            cost = self.cost.break_even(num_running, num_running) * MARGIN
+            if cost >= 1:  # a row costs a token or more here: not even a sure draft pays
+                return []
+            max_drafts = self._worth(state.acceptance, max_drafts, cost)
             if not max_drafts:
                 if state.num_skipped < PROBE_INTERVAL:
                     state.num_skipped += 1
@@ -111,9 +114,9 @@ class Speculator:
             state.num_skipped = 0
         return drafts
 
-    def _worth(self, acceptance: float, max_drafts: int, num_running: int) -> int:
-        """How many drafts pay in a step of about num_running rows: the j-th is worth acceptance**j tokens."""
-        cost = self.cost.break_even(num_running, num_running) * MARGIN
+    @staticmethod
+    def _worth(acceptance: float, max_drafts: int, cost: float) -> int:
+        """How many drafts pay when a row must yield `cost` tokens: the j-th is worth acceptance**j tokens."""
         n, worth = 0, acceptance
         while n < max_drafts and worth > cost:
             n += 1
