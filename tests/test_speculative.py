@@ -278,3 +278,13 @@ def test_auto_drafts_only_where_rows_are_cheap_for_the_step_and_acceptance():
         hopeless.on_step(rows, 0.010 * rows)  # every row costs as much as a step: no draft ever pays
     seq = _Seq(tokens)
     assert all(hopeless.propose(seq, 1) == [] for _ in range(2 * PROBE_INTERVAL))  # not even probes
+
+
+def test_an_auto_engine_learns_its_step_cost_and_keeps_the_output(tiny_llama_dir, llms):
+    off, _ = llms
+    auto = make_llm(tiny_llama_dir, speculative="auto")
+    cost = auto.engine.speculator.cost
+    assert cost.fixed > 0 and cost.per_row >= 0 and 0 < cost.break_even(1, 1) <= 1  # probed at load
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in _run(auto, PROMPTS, params)] == [o.token_ids for o in _run(off, PROMPTS, params)]
+    assert_pool_full(auto)
