@@ -19,6 +19,7 @@ import torch
 from engine.checkpoint.source import open_checkpoint, served_name
 from engine.checkpoint.stored_tensor import type_counts
 from engine.config import EngineConfig
+from engine.models.chat_templates import chat_format
 from engine.models.registry import model_class
 from engine.step_backend import StepBackend
 
@@ -59,6 +60,10 @@ def _load(config: EngineConfig) -> LoadedModel:
     hf_config = checkpoint.hf_config
     model_class(hf_config)  # every architecture has an eager model (the reference): else a clear error here
     tokenizer = checkpoint.tokenizer()
+    fmt = chat_format(getattr(hf_config, "model_type", ""))
+    if not tokenizer.chat_template and fmt is not None:
+        log.info("the model carries no chat template: using %s's own", hf_config.model_type)
+        tokenizer.chat_template = fmt.template
     dtype = DTYPES[config.dtype]
     max_pos = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions"))
     backend = _native_backend(checkpoint, config, min(max_pos, config.max_model_len))
@@ -67,6 +72,10 @@ def _load(config: EngineConfig) -> LoadedModel:
 
         backend = build_eager(checkpoint, config, dtype)
     eos = checkpoint.eos_token_ids() or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    for token in fmt.end_of_turn if fmt else ():
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            eos.add(token_id)
     path = checkpoint.path
     del checkpoint  # unmaps the file: the backend holds its own packed copies
     return LoadedModel(

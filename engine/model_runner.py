@@ -43,16 +43,24 @@ class ModelRunner:
         self.backend.bind_kv_caches(self.k_caches, self.v_caches)
 
     def run(self, batch: StepBatch) -> StepOutput:
-        """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order,
-        and score the prompt tokens that chunks ask for."""
+        """Feed every chunk's tokens, then sample one token for each chunk with sampling set (one per row of a
+        verification query), in chunk order, and score the prompt tokens that chunks ask for."""
         with torch.inference_mode():
             step = self.backend.forward(batch)
             last_rows = step.last_rows()
             output = StepOutput([], self._score_prompts(step.hidden, batch.chunks, last_rows))
-            sample_index = [row for c, row in zip(batch.chunks, last_rows) if c.sampling is not None]
+            sample_index: list[int] = []
+            rows: list[SamplingRow] = []
+            for c, chunk_rows in zip(batch.chunks, step.chunk_rows):
+                if c.verify_rows is not None:  # a verification query samples at each of its positions
+                    sample_index += chunk_rows
+                    rows += c.verify_rows
+                elif c.sampling is not None:
+                    sample_index.append(chunk_rows[-1])
+                    rows.append(c.sampling)
             if sample_index:
                 logits = self.backend.compute_logits(step.hidden[torch.tensor(sample_index)])
-                output.sampled = self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
+                output.sampled = self.sampler(logits, rows)
             return output
 
     def _score_prompts(

@@ -53,10 +53,21 @@ class ArchTensors:
         return f"model.layers.{index}.{self.layer[rest]}"
 
 
+QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# Gemma 3: the norm before the MLP is ffn_norm (pre_feedforward), and each sublayer has a post-norm
+GEMMA3_LAYER = {
+    **LLAMA_LAYER, **QK_NORMS,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}  # fmt: skip
+
 ARCHITECTURES: dict[str, ArchTensors] = {
     "llama": ArchTensors(LLAMA_GLOBAL, LLAMA_LAYER, permuted_qk=True),
     "mistral": ArchTensors(LLAMA_GLOBAL, LLAMA_LAYER, permuted_qk=True),
     "qwen2": ArchTensors(LLAMA_GLOBAL, LLAMA_LAYER),
+    "qwen3": ArchTensors(LLAMA_GLOBAL, {**LLAMA_LAYER, **QK_NORMS}),
+    "gemma3": ArchTensors(LLAMA_GLOBAL, GEMMA3_LAYER, norm_offset=-1.0),  # llama.cpp stores 1 + w
 }
 
 
