@@ -70,8 +70,8 @@ class ModelRunner:
         self.compute_logits = self.model.compute_logits if self.native is None else self.native.compute_logits
 
     def run(self, batch: StepBatch) -> StepOutput:
-        """Feed every chunk's tokens, then sample one token for each chunk with sampling set, in chunk order,
-        and score the prompt tokens that chunks ask for."""
+        """Feed every chunk's tokens, then sample one token for each chunk with sampling set (one per row of a
+        verification query), in chunk order, and score the prompt tokens that chunks ask for."""
         with torch.inference_mode():
             if self.native is not None:
                 hidden, last_rows = self._forward_native(batch)
@@ -81,10 +81,18 @@ class ModelRunner:
                 hidden = self.model(input_ids, ctx, self.kv_caches)
                 self._stage = stage
             output = StepOutput([], self._score_prompts(hidden, batch.chunks, last_rows))
-            sample_index = [row for c, row in zip(batch.chunks, last_rows) if c.sampling is not None]
+            sample_index: list[int] = []
+            rows: list[SamplingRow] = []
+            for c, last_row in zip(batch.chunks, last_rows):
+                if c.verify_rows is not None:  # a verification query samples at each of its positions
+                    sample_index += range(last_row - c.num_tokens + 1, last_row + 1)
+                    rows += c.verify_rows
+                elif c.sampling is not None:
+                    sample_index.append(last_row)
+                    rows.append(c.sampling)
             if sample_index:
                 logits = self.compute_logits(hidden[torch.tensor(sample_index)])
-                output.sampled = self.sampler(logits, [c.sampling for c in batch.chunks if c.sampling is not None])
+                output.sampled = self.sampler(logits, rows)
             return output
 
     def _score_prompts(

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.models.chat_templates import chat_format
 from engine.models.layers import INT4_GROUP_SIZE, Linear
 from engine.models.registry import model_class
 
@@ -154,6 +155,11 @@ def _eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> set[int]:
         add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
     if not ids:
         add(tokenizer.eos_token_id)
+    fmt = chat_format(getattr(hf_config, "model_type", ""))
+    for token in fmt.end_of_turn if fmt else ():
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
     return ids
 
 
@@ -176,6 +182,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(model_dir)
     cls = model_class(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fmt = chat_format(getattr(hf_config, "model_type", ""))
+    if not tokenizer.chat_template and fmt is not None:
+        log.info("the model carries no chat template: using %s's own", hf_config.model_type)
+        tokenizer.chat_template = fmt.template
     dtype = DTYPES[config.dtype]
 
     ops = _native_ops_for(cls, config)
@@ -231,6 +241,10 @@ def _native_step(ops: Any, model: nn.Module) -> Any:
     if reason is not None:
         log.warning("the native step cannot run this model (%s); using the eager PyTorch path", reason)
         return None
+    # until the native kernels take a GGUF's own blocks, every linear is packed from the checkpoint's float values:
+    # Q4_1 files land on their own grid, other types (Q5_0, Q8_0, K-quants) are rounded a second time
+    log.info("native step for %s (%s): linears as Q4_1, embedding and lm_head as Q8_0, packed from the float weights",
+             type(model).__name__, model.config.model_type)
     return NativeLlamaStep(ops, model)
 
 
