@@ -39,7 +39,7 @@ bench: install
 	$(PY) -m bench $(ARGS)
 
 bench-offline: install
-	$(PY) -m bench.offline $(ARGS)
+	$(PY) -m bench offline $(ARGS)
 
 # llama.cpp's llama-server (and llama-bench) for `python -m bench --compare --llama-server PATH`, built outside
 # the repository (default ../peers; LLAMA_DIR=... to choose). Never committed, not part of `make test`.

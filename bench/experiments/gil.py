@@ -1,6 +1,6 @@
 """How late the event loop is while the engine decodes: the GIL the forward pass holds, measured.
 
-    python -m bench.gil [--streams 64] [--output-tokens 128] [--prompt-tokens 128]
+    python -m bench gil [--streams 64] [--output-tokens 128] [--prompt-tokens 128]
 
 Runs the engine's steps in one worker thread (as the server does: anyio.to_thread), keeps `--streams` greedy
 requests decoding, and meanwhile samples the event loop: a task asks to wake every millisecond and records how
@@ -17,7 +17,7 @@ import time
 
 import anyio
 
-from bench.offline import make_prompts
+from bench.experiments.offline import make_prompts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -76,14 +76,14 @@ async def measure(args: argparse.Namespace) -> None:
           f"max {max(lags):.2f}")  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=100)
     sys.setswitchinterval(0.0005)  # as the server sets it (web/server.py)
-    anyio.run(measure, parser.parse_args())
+    anyio.run(measure, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

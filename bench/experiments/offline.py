@@ -1,6 +1,6 @@
 """Offline throughput: Sluice's engine against transformers `generate`, same model, same prompts, one run.
 
-    python -m bench.offline [--num-requests 32] [--prompt-tokens 128] [--output-tokens 128]
+    python -m bench offline [--num-requests 32] [--prompt-tokens 128] [--output-tokens 128]
 
 Reports single-stream decode tokens/s (output tokens after the first, over the time after the first) and
 the throughput of a batch of requests (all output tokens over the wall time), with Sluice / transformers ratios.
@@ -86,13 +86,13 @@ def bench_transformers(args, model_dir: str, prompts: list[list[int]]) -> dict[s
     return measure(args, run, prompts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from engine import LLM
 
