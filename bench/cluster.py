@@ -1,4 +1,4 @@
-"""`python -m bench.cluster`: Sluice with engine replicas against one process, in one run.
+"""`python -m bench cluster`: Sluice with engine replicas against one process, in one run.
 
 Servers, one after the other on free loopback ports (the default model unless --model): one process with
 2 compute threads, then 2 replicas x 1 thread for each routing policy (affine, round_robin, least_loaded).
@@ -121,7 +121,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="the model of every server (default: Sluice's default)")
     parser.add_argument("--servers", default="single," + ",".join(POLICIES), help="a subset, comma-separated")
     parser.add_argument("--streams", type=int, default=32, help="throughput streams (default: 32)")

@@ -53,7 +53,7 @@ def resolve_gguf(explicit: str | None, sluice_model: str | None) -> str:
 
         sluice_model = load_config().engine.model
     if sluice_model == "":
-        from engine.models.loader import default_gguf_path
+        from engine.checkpoint.source import default_gguf_path
 
         return str(default_gguf_path())
     if sluice_model.endswith(".gguf"):

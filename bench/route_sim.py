@@ -1,4 +1,4 @@
-"""`python -m bench.route_sim`: the replica router's own code (web/cluster/router.py) on a synthetic trace of
+"""`python -m bench route-sim`: the replica router's own code (web/cluster/router.py) on a synthetic trace of
 thousands of conversations, for 2 to 64 replicas and each policy: prefix-hit rate and load spread, on paper.
 
 The trace: conversations arrive at random over `--horizon` seconds, each picks one of a few system prompts
@@ -123,7 +123,7 @@ def simulate(trace: list[Conversation], num_replicas: int, policy: str, kv_block
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.route_sim", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench route-sim", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", default="2,4,8,16,32,64")
     parser.add_argument("--conversations-per-replica", type=int, default=100)
     parser.add_argument("--horizon-per-conversation", type=float, default=1.0, help="seconds of arrivals each")

@@ -130,16 +130,16 @@ def stop(server: ManagedServer, grace: float = 30.0) -> None:
 
 
 def resolve_hf_model_dir(explicit: str | None) -> str | None:
-    """The Hugging Face folder Sluice caches for its model (the loader knows where), or the explicit path."""
+    """The explicit path, else the model Sluice serves (a Hugging Face folder or a GGUF file)."""
     if explicit:
         return explicit
     try:
+        from engine.checkpoint.source import model_path
         from engine.config import load_config
-        from engine.models.loader import resolve_model_dir
     except ImportError:
         return None
     try:
-        path = resolve_model_dir(load_config().engine)
+        path = model_path(load_config().engine.model)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"bench: could not resolve Sluice's model folder: {exc}", file=sys.stderr)
         return None

@@ -65,10 +65,16 @@ class TokenCounter(Protocol):
 
 
 def load_token_counter(model_dir: str | Path) -> TokenCounter:
-    """Counts tokens with the model's own tokenizer.json (the `tokenizers` library, no transformers import)."""
+    """Counts tokens with the model's own tokenizer: a folder's tokenizer.json (the `tokenizers` library, no
+    transformers import), or the tokenizer of a GGUF's metadata."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    if str(model_dir).endswith(".gguf"):
+        from engine.checkpoint.gguf_file import GGUFCheckpoint
+
+        tokenizer = GGUFCheckpoint(Path(model_dir)).tokenizer().backend_tokenizer
+    else:
+        tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 

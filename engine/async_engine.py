@@ -35,6 +35,7 @@ from engine.input_processor import Prompt, PreparedRequest
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream, Request, RequestState, abort_abandoned
 from engine.sampling_params import SamplingParams
+from engine.speculative.stats import ProposerCounts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -116,6 +117,7 @@ class EngineStats:
     free_kv_blocks: int
     total_kv_blocks: int
     prefix_cache_hit_rate: float
+    speculation: Mapping[str, ProposerCounts] | None = None  # proposer -> its counters (engine/speculative/)
 
 
 class AsyncEngine:
@@ -183,6 +185,7 @@ class AsyncEngine:
             free_kv_blocks=engine.num_free_blocks,
             total_kv_blocks=engine.num_total_blocks,
             prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
+            speculation=engine.speculation_stats.by_proposer,
         )
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:

@@ -32,6 +32,9 @@ class SamplingRow:
     # An llguidance LLMatcher at this row's next token, or None. Read only here (its mask is computed from
     # it); the event-loop thread advances it after the step.
     matcher: Any = None
+    # Draft tokens the matcher must take first (a verification row past drafts): consumed for the mask, then
+    # rolled back, so the matcher is as it was when the step ends.
+    matcher_lookahead: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -60,6 +63,9 @@ class SeqChunk:
     block_table: list[int]  # physical KV blocks covering positions [0, start_pos + len(token_ids))
     sampling: SamplingRow | None  # None: a prefill chunk that does not reach the end of the prompt
     prompt_scoring: PromptScoring | None = None
+    # A verification query (token_ids = the last token and k drafts): every row samples, row j with these
+    # parameters (the sequence as if drafts[:j] had been appended); sampling is then verify_rows[0].
+    verify_rows: list[SamplingRow] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +81,8 @@ class StepBatch:
 class StepOutput:
     """What a forward pass yields: the sampled tokens, and the prompt logprobs that chunks asked for."""
 
-    sampled: list[SampledToken]  # one per chunk with sampling set, in chunk order
+    # In chunk order: one per chunk with sampling set, or one per row of a chunk with verify_rows.
+    sampled: list[SampledToken]
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # seq_id -> one per target id
 
 

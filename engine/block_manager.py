@@ -119,6 +119,16 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Free seq's tail blocks that hold no computed token (those a rejected draft was written to)."""
+        num_kept = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > num_kept:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.block_hash is None, f"block {block.block_id} is not a draft's"
+            block.ref_count = 0
+            self.free_block_ids[block.block_id] = None
+            self.free_block_ids.move_to_end(block.block_id, last=False)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that computation has filled, so later prompts can share them."""
         if not self.enable_prefix_caching:

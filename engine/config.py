@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine.speculative.speculator import SpeculativeConfig
+
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
 
@@ -25,6 +27,11 @@ class EngineConfig:
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
     quantize: str = "auto"  # "auto" | "none": the native step / weight-only quantised kernels, or dense only
+    speculative: str = "off"  # "auto" | "on" | "off": draft-free speculative decoding (engine/speculative/)
+    speculative_k: int = 5  # most draft tokens verified per sequence per step
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+    speculative_recent_tokens: int = 65536  # bound of the index over recent outputs
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -37,10 +44,18 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if self.quantize not in ("auto", "none"):
             raise ValueError(f"quantize must be 'auto' or 'none', got {self.quantize!r}")
+        self.speculative_config  # checks the speculative_* keys
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            self.speculative, self.speculative_k, self.speculative_ngram_min, self.speculative_ngram_max,
+            self.speculative_recent_tokens,
+        )  # fmt: skip
 
     @property
     def cache_path(self) -> Path:

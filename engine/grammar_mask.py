@@ -1,7 +1,8 @@
 """The grammar's share of sampling: tokens a row's matcher does not allow get -inf, for the whole batch at once.
 
 Runs in the worker thread, after the forward pass, reading the matchers (the event-loop thread advances them
-only after the step). Each constrained row's bitmask is written by llguidance straight into one [R, V/32]
+only after the step; a verification row's drafts are consumed and rolled back here, so each matcher is as it
+was when the step ends). Each constrained row's bitmask is written by llguidance straight into one [R, V/32]
 buffer (the call drops the GIL), then one table lookup turns the bitmask bytes into a 0 / -inf bias that is
 added to those rows' logits.
 
@@ -46,7 +47,12 @@ class GrammarMasker:
         row_bytes = bitmask.shape[1] * 4
         address = bitmask.data_ptr()
         for j, i in enumerate(constrained):
-            rows[i].matcher.unsafe_compute_mask_ptr(address + j * row_bytes, row_bytes)
+            matcher, lookahead = rows[i].matcher, rows[i].matcher_lookahead
+            if lookahead and not matcher.consume_tokens(list(lookahead)):
+                raise RuntimeError(f"the grammar refused drafts it had validated: {matcher.get_error()}")
+            matcher.unsafe_compute_mask_ptr(address + j * row_bytes, row_bytes)
+            if lookahead:
+                matcher.rollback(len(lookahead))
         bias = self._byte_bias.index_select(0, bitmask.view(torch.uint8).flatten().long()).view(num_rows, -1)
         bias = bias[:, :vocab]
         if num_rows == len(rows):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import mmap
 
 import torch
 
@@ -18,14 +19,19 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype), 2 MiB-aligned and advised onto huge pages before it is first touched."""
+    """torch.zeros(shape, dtype=dtype), 2 MiB-aligned and advised onto huge pages before it is first touched.
+
+    An anonymous mapping reads as zeros and takes memory only where it is written: a KV pool costs what its used
+    blocks hold, not its whole size, until the blocks fill."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    buffer = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: large allocations are mmapped
+    # private and anonymous (not shared memory, which THP madvise does not cover): zero-filled page by page on first touch
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     offset = -buffer.data_ptr() % HUGE_PAGE
     advise(buffer.data_ptr() + offset, num_bytes)
-    return buffer[offset : offset + num_bytes].view(dtype).view(shape).zero_()
+    return buffer[offset : offset + num_bytes].view(dtype).view(shape)
 
 
 def copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from engine.batch import PromptScoring, SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
@@ -18,13 +19,16 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fork import choice_params, fork_point
 from engine.input_processor import InputProcessor, Prompt, PreparedRequest
-from engine.models.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import GrammarViolation, OutputProcessor
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Sequence
+from engine.speculative.speculator import Speculator
+from engine.speculative.stats import SpeculationStats
+from engine.speculative.verify import num_accepted, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ FORWARD_FAILED = "the server failed while computing this request's next token"
 class StepPlan:
     chunks: list[ScheduledChunk]
     batch: StepBatch
+    elapsed: float = 0.0  # seconds the forward pass took (set by execute)
 
 
 class LLMEngine:
@@ -44,7 +49,7 @@ class LLMEngine:
         self.config = config
         loaded = loaded or load_model(config)
         self.model_name = loaded.name
-        self.model_dir = loaded.model_dir
+        self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -57,7 +62,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, config)
         self.runner.warmup()
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.speculator = Speculator(config.speculative_config, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, self.speculator)
+        self._learns_step_cost = config.speculative == "auto"
+        if self._learns_step_cost:
+            self._probe_step_cost()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live sequences (choices, or a fork parent)
         self._seq_ids = itertools.count()
         self._plan: StepPlan | None = None  # the step whose forward pass is running
@@ -127,11 +136,18 @@ class LLMEngine:
         return self._plan
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        return self.runner.run(plan.batch)
+        start = time.perf_counter()
+        output = self.runner.run(plan.batch)
+        plan.elapsed = time.perf_counter() - start
+        return output
 
     def finish_step(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
-        """Apply a forward pass's tokens: one delta per sampling sequence; finished ones are freed."""
+        """Apply a forward pass's tokens: one delta per sampling sequence (a verification's accepted tokens
+        in one delta); finished ones are freed."""
         self._plan = None
+        if self._learns_step_cost:
+            self._observe_step_cost(plan)
+        emitted = self._accept(plan, output.sampled)
         self.scheduler.on_computed(plan.chunks)
         for scheduled in plan.chunks:
             if scheduled.seq.num_forks and not scheduled.seq.num_uncomputed_tokens:
@@ -140,14 +156,10 @@ class LLMEngine:
             scored = output.prompt_logprobs.get(chunk.seq_id)
             if scored is not None:
                 _keep_prompt_logprobs(scheduled.seq, chunk.start_pos + 1, scored)
-        sampled = output.sampled
-        sampling_seqs = [c.seq for c, sc in zip(plan.chunks, plan.batch.chunks) if sc.sampling is not None]
-        if len(sampling_seqs) != len(sampled):
-            raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling_seqs)} sequences")
         outputs = []
-        for seq, token in zip(sampling_seqs, sampled):
+        for seq, tokens in emitted:
             try:
-                out = self.output_processor.on_token(seq, token)
+                out = self._on_tokens(seq, tokens)
             except GrammarViolation as error:  # a grammar past llguidance's limits: its words are the client's
                 logger.warning("request %s: %s", seq.request_id, error)
                 (out,) = self.output_processor.final(seq, FinishReason.ERROR, f"structured output failed: {error}")
@@ -158,6 +170,60 @@ class LLMEngine:
                 self._finish(seq, out.finish_reason)
             outputs.append(out)
         return outputs
+
+    def _accept(self, plan: StepPlan, sampled: list[SampledToken]) -> list[tuple[Sequence, list[SampledToken]]]:
+        """Each sampling sequence with the tokens it gains: its sampled token, or a verification's accepted
+        drafts and the token sampled after them (each chunk's num_accepted is set here)."""
+        emitted = []
+        i = 0
+        for scheduled, chunk in zip(plan.chunks, plan.batch.chunks):
+            if chunk.verify_rows is not None:
+                rows = sampled[i : i + len(chunk.verify_rows)]
+                i += len(chunk.verify_rows)
+                drafts = scheduled.draft_token_ids
+                scheduled.num_accepted = accepted = num_accepted(drafts, rows)
+                self.speculator.on_verified(scheduled.seq, len(drafts), accepted)
+                emitted.append((scheduled.seq, rows[: accepted + 1]))
+            elif chunk.sampling is not None:
+                emitted.append((scheduled.seq, sampled[i : i + 1]))
+                i += 1
+        if i != len(sampled):
+            raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {i} rows")
+        return emitted
+
+    def _on_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
+        """The tokens one step gave seq, as one delta (burst-atomic: a stream sends them as one event); tokens
+        after the one that finishes seq are dropped."""
+        out = self.output_processor.on_token(seq, tokens[0])
+        for token in tokens[1:]:
+            if out.finished:
+                break
+            out.absorb(self.output_processor.on_token(seq, token))
+        return out
+
+    def _observe_step_cost(self, plan: StepPlan) -> None:
+        """Decode and verification steps teach "auto" speculation what a row costs (prefill chunks, whose
+        attention grows with their length, would blur it)."""
+        max_rows = self.config.speculative_k + 1
+        num_rows = 0
+        for chunk in plan.batch.chunks:
+            if chunk.num_tokens > max_rows:
+                return
+            num_rows += chunk.num_tokens
+        self.speculator.on_step(num_rows, plan.elapsed)
+
+    def _probe_step_cost(self) -> None:
+        """Time a few decode-like steps of 1 and of 1 + k rows (with their logits), so that "auto" speculation
+        starts from this machine's costs. Only blocks 0-3 are written, and nothing holds them yet."""
+        width = self.config.speculative_k + 1
+        row = SamplingRow(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, None, None, 0, [], [])
+        blocks = list(range(min(4, self.config.num_kv_blocks)))
+        start = max(0, min(len(blocks) * self.config.block_size, 48) - width)
+        for num_rows in (1, width) * 3:
+            chunk = SeqChunk(-1, [0] * num_rows, start, blocks, row, verify_rows=[row] * num_rows)
+            begin = time.perf_counter()
+            self.runner.run(StepBatch([chunk]))
+            self.speculator.on_step(num_rows, time.perf_counter() - begin)
 
     def fail_step(self, plan: StepPlan, error: BaseException) -> list[RequestOutput]:
         """The forward pass raised: end every request of the step with an error and free its blocks."""
@@ -198,14 +264,19 @@ class LLMEngine:
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
         seq = chunk.seq
         start = seq.num_computed_tokens
-        token_ids = seq.token_slice(start, start + chunk.num_tokens)
+        drafts = chunk.draft_token_ids
+        token_ids = seq.token_slice(start, start + chunk.num_tokens - len(drafts))
         sampling = self._sampling_row(seq) if chunk.is_sampling else None
+        verify = None
+        if drafts:
+            token_ids = token_ids + drafts
+            verify = verify_rows(sampling, drafts, seq.params.min_tokens)
         scoring = None
         if seq.prompt_logprobs is not None:
             # Row i (position start + i) scores the prompt token at start + i + 1: up to the prompt's end.
             targets = seq.prompt_token_ids[start + 1 : start + chunk.num_tokens + 1]
             scoring = PromptScoring(targets, seq.params.prompt_logprobs or 0)
-        return SeqChunk(seq.seq_id, token_ids, start, seq.block_table, sampling, scoring)
+        return SeqChunk(seq.seq_id, token_ids, start, seq.block_table, sampling, scoring, verify)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -231,6 +302,8 @@ class LLMEngine:
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
+            self.speculator.on_finished(seq.output_token_ids)
         self.scheduler.finish(seq, reason)
         live = self.requests[seq.request_id]
         live.remove(seq)
@@ -262,6 +335,10 @@ class LLMEngine:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.block_manager.prefix_cache_hit_rate
+
+    @property
+    def speculation_stats(self) -> SpeculationStats:
+        return self.speculator.stats
 
     @property
     def num_preemptions(self) -> int:

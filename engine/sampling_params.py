@@ -69,6 +69,8 @@ class SamplingParams:
     n: int = 1  # independent completions of one prompt, sharing its prefill (seed + i for choice i)
     # The output must match this (a JSON schema, a regex, a choice, a grammar): enforced token by token.
     structured_outputs: StructuredOutputs | None = None
+    # False: never guess this request's next tokens (engine/speculative/); the output is the same either way.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens
@@ -90,6 +92,8 @@ class SamplingParams:
             _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")
         _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                  f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")  # fmt: skip
+        _require(isinstance(self.speculative, bool), "speculative",
+                 f"speculative must be a boolean, got {self.speculative!r}")  # fmt: skip
         self._check_stops()
         self._check_structured_outputs()
         for name in ("logprobs", "prompt_logprobs"):

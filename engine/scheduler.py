@@ -6,35 +6,46 @@ prefill continues with the next chunk), then admits waiting ones in FCFS order w
 and none is free, the most recently admitted running sequence is preempted: its blocks are freed (a block
 shared with other choices stays theirs) and it goes back to the front of the queue, to be recomputed (through
 the prefix cache, mostly) later. The scheduler never touches tensors.
+
+With a speculator, a decoding sequence may also feed draft tokens (engine/speculative/): its chunk is then its
+last token and k drafts, given blocks only if they are free (drafts never preempt anyone). After the step only
+the accepted drafts count as computed, and blocks that hold nothing but rejected drafts go back to the pool.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative.speculator import Speculator
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
-    num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
+    num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on (drafts included)
+    draft_token_ids: list[int] = field(default_factory=list)  # guessed tokens fed after the last one
+    num_accepted: int = 0  # of the drafts, set by the engine once the step has verified them
 
     @property
     def is_sampling(self) -> bool:
         """The chunk reaches the last token, so the step yields the sequence's next token (a fork parent's never)."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens and not self.seq.num_forks
+        num_fed = self.num_tokens - len(self.draft_token_ids)
+        return self.seq.num_computed_tokens + num_fed == self.seq.num_tokens and not self.seq.num_forks
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, speculator: Speculator | None = None
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
+        self.speculator = speculator if speculator is not None and speculator.is_enabled else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -51,9 +62,17 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         has_preempted = False
         i = 0
+        num_running = len(self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
+            drafts: list[int] = []
+            if self.speculator is not None and seq.num_uncomputed_tokens == 1 < budget:
+                drafts = self.speculator.propose(seq, num_running)[: budget - 1]
+                if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                    num_tokens += len(drafts)
+                else:
+                    drafts = []
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 has_preempted = True
                 victim = self.running[-1]
@@ -61,7 +80,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledChunk(seq, num_tokens))
+                scheduled.append(ScheduledChunk(seq, num_tokens, drafts) if drafts else ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
                 i += 1
         if has_preempted:
@@ -102,10 +121,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def on_computed(self, chunks: list[ScheduledChunk]) -> None:
-        """After a forward pass: advance KV progress and offer newly filled blocks to the prefix cache."""
+        """After a forward pass: advance KV progress and offer newly filled blocks to the prefix cache. A
+        verification chunk advances past its accepted drafts only: the KV of the rejected ones is garbage to be
+        overwritten, and the blocks holding only that go back to the pool."""
         for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_blocks(chunk.seq)
+            seq = chunk.seq
+            if chunk.draft_token_ids:
+                seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft_token_ids) + chunk.num_accepted
+                self.block_manager.trim(seq)
+            else:
+                seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """A fork parent has computed its prefix: its children take its blocks by reference count and its

@@ -10,6 +10,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.input_processor import PreparedRequest
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.speculative.speculator import SeqSpeculation
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +64,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
+        self.speculation: SeqSpeculation | None = None  # the speculator's state, made at its first proposal
 
     @property
     def num_prompt_tokens(self) -> int:

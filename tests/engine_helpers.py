@@ -12,8 +12,12 @@ from engine.llm import LLM
 
 
 @lru_cache(maxsize=4)
-def hf_model(model_dir: str, dtype: str = "float32"):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+def hf_model(model_path: str, dtype: str = "float32"):
+    """transformers' own model of a folder, or of a GGUF file (dequantised by transformers: the file's values)."""
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
 
 
 def hf_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int, dtype: str = "float32") -> list[int]:

@@ -71,7 +71,7 @@ def test_real_default_model_single_and_batched(default_llm):
     prompts = ["The capital of France is", "Write a haiku about the sea.", "日本の首都は", "1, 2, 3, 4,"]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ids = [default_llm.engine.input_processor.encode_prompt(p) for p in prompts]
-    refs = [hf_greedy(default_llm.engine.model_dir, p, 16, dtype=default_llm.engine.config.dtype) for p in ids]
+    refs = [hf_greedy(default_llm.engine.model_path, p, 16, dtype=default_llm.engine.config.dtype) for p in ids]
     alone = [default_llm.generate([p], params, use_tqdm=False)[0].token_ids for p in ids]
     together = [o.token_ids for o in default_llm.generate(ids, params, use_tqdm=False)]
     assert alone == together

@@ -26,6 +26,7 @@ def test_large_caches_land_on_huge_pages_where_the_kernel_offers_them() -> None:
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this kernel has no transparent huge pages")
     t = huge_pages.zeros((64 << 20,), torch.uint8)
+    t.fill_(1)  # pages are taken when first written
     start, end = t.data_ptr(), t.data_ptr() + t.numel()
     for line in Path("/proc/self/smaps").read_text().split("\n"):
         if "-" in line.split(" ")[0] and not line.startswith(("Size", "Rss")):
@@ -35,3 +36,16 @@ def test_large_caches_land_on_huge_pages_where_the_kernel_offers_them() -> None:
             assert int(line.split()[1]) >= 32 << 10  # kB: at least half of it on huge pages
             return
     pytest.fail("the tensor's mapping was not found in /proc/self/smaps")
+
+
+def _rss_kb() -> int:
+    return int(next(line for line in Path("/proc/self/status").read_text().split("\n") if line.startswith("VmRSS:")).split()[1])
+
+
+def test_a_pool_takes_memory_only_where_it_is_written() -> None:
+    before = _rss_kb()
+    t = huge_pages.zeros((256 << 20,), torch.uint8)
+    assert _rss_kb() - before < 32 << 10  # kB: far below the 256 MiB asked for
+    t[: 64 << 20].fill_(1)
+    assert _rss_kb() - before >= 60 << 10
+    assert not t[64 << 20 :].any()  # the rest still reads as zeros

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
+from engine.loader import load_model
 
 BLOCK_SIZE = 4
 
@@ -77,7 +77,7 @@ class ParityRun:
         return Seq(seq_id, prompt, [*shared, *(self.free.pop() for _ in range(need))])
 
     def random_tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.runner.model.config.vocab_size) for _ in range(n)]
+        return [self.rng.randrange(self.runner.vocab_size) for _ in range(n)]
 
     def step(self, plan: list[tuple[Seq, int]]) -> None:
         for seq, n in run_step(self.runner, plan):
@@ -140,4 +140,4 @@ def test_warmup_and_default_sampler(tiny_llama_dir: Path) -> None:
     runner.warmup()
     assert (runner.num_kv_blocks, runner.block_size) == (8, BLOCK_SIZE)
     out = runner.run(StepBatch([SeqChunk(0, [1, 2, 3], 0, [5], greedy_row())])).sampled
-    assert len(out) == 1 and 0 <= out[0].token_id < runner.model.config.vocab_size
+    assert len(out) == 1 and 0 <= out[0].token_id < runner.vocab_size

@@ -7,14 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import hf_model
 from tiny_models import build_tokenizer, save_tiny_gemma3, save_tiny_gpt2, save_tiny_llama, save_tiny_qwen3
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.checkpoint.source import default_gguf_path, open_checkpoint
+from engine.loader import LoadedModel, load_model
 from engine.models.layers import LayerCache, Linear, PrefillSpan, StepContext, paged_attention
-from engine.models.loader import LoadedModel, load_model, resolve_model_dir
 
 
 def perturb(model_dir: Path, seed: int = 1) -> Path:
@@ -43,7 +45,7 @@ def save_tiny_qwen2(path: Path) -> Path:
 
 def full_forward(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     """All-position logits of one sequence through our model as a single prefill chunk."""
-    model, n = loaded.model, len(ids)
+    model, n = loaded.backend.model, len(ids)
     ctx = StepContext(
         positions=torch.arange(n), slot_mapping=torch.arange(n), num_decode=0,
         decode_gather=None, decode_mask=None, prefills=[PrefillSpan(0, n, 0, kv_slots=None, mask=None)],
@@ -118,14 +120,14 @@ def test_attention_softcap_and_window_match_a_direct_computation() -> None:
 
 
 def test_loaded_model_fields(tiny_llama_dir: Path) -> None:
-    loaded = load_model(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16"))
+    loaded = load_model(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16", quantize="none"))
     assert loaded.name == tiny_llama_dir.name
-    assert loaded.model_dir == tiny_llama_dir
+    assert loaded.path == tiny_llama_dir and loaded.backend.name == "eager"
     assert loaded.eos_token_ids == {loaded.tokenizer.eos_token_id}
     assert loaded.max_position_embeddings == 512
     assert loaded.vocab_size == len(loaded.tokenizer)
-    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
-    assert not loaded.model.training
+    assert all(p.dtype == torch.bfloat16 for p in loaded.backend.model.parameters())
+    assert not loaded.backend.model.training
     assert loaded.tokenizer.chat_template
 
 
@@ -153,7 +155,7 @@ def test_int4_linear_close_to_dense_or_dense_fallback(n: int, k: int) -> None:
     assert (quant - dense).norm() / dense.norm() < 0.15  # 4 bits of random weights
 
 
-# --- the real default model (SmolLM2-135M-Instruct, converted from the packaged GGUF once, then cached) ---
+# --- the real default model (SmolLM2-135M-Instruct, the packaged GGUF read in place) ---
 
 GREEDY = SamplingRow(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, None, None, 0, [], [])
 
@@ -177,27 +179,25 @@ def greedy_tokens(
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    return resolve_model_dir(EngineConfig())
+def default_gguf() -> Path:
+    return default_gguf_path()
 
 
 @pytest.fixture(scope="session")
-def default_prompt(default_model_dir: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+def default_prompt() -> list[int]:
+    tokenizer = open_checkpoint("").tokenizer()
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def test_default_model_greedy_matches_transformers(default_model_dir: Path, default_prompt: list[int]) -> None:
+def test_default_model_greedy_matches_transformers(default_gguf: Path, default_prompt: list[int]) -> None:
     # float32 on both sides: bf16 results depend on each implementation's matmul blocking, and a near-tie
     # can flip a greedy token; float32 agrees to ~1e-5, far below the gap between the top two logits here.
     config = EngineConfig(dtype="float32", quantize="none", num_kv_blocks=16)
     loaded = load_model(config)
     assert loaded.name == "SmolLM2-135M-Instruct"
-    assert loaded.model_dir == default_model_dir
-    reference = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    assert loaded.path == default_gguf
+    reference = hf_model(str(default_gguf))  # transformers' dequantisation of the same file
     with torch.inference_mode():
         out = reference.generate(torch.tensor([default_prompt]), max_new_tokens=16, do_sample=False)
     expected = out[0, len(default_prompt) :].tolist()
@@ -205,7 +205,7 @@ def test_default_model_greedy_matches_transformers(default_model_dir: Path, defa
     assert greedy_tokens(loaded, config, default_prompt, 16) == expected
 
 
-def test_default_model_quantised_matches_dense(default_model_dir: Path, default_prompt: list[int]) -> None:
+def test_default_model_quantised_matches_dense(default_prompt: list[int]) -> None:
     # int4 layers (the GGUF's own Q4_1 grid) against dense bf16 weights. Free-running greedy text
     # drifts apart after a near-tie even between bf16 and float32, so the strict check is a confident answer and
     # teacher-forced top-1 agreement elsewhere (measured: 140/144 against the float32 model, dense bf16 142/144).
@@ -213,7 +213,7 @@ def test_default_model_quantised_matches_dense(default_model_dir: Path, default_
     quant_config = EngineConfig(dtype="bfloat16", quantize="auto", num_kv_blocks=16)
     dense, quant = load_model(dense_config), load_model(quant_config)
     # the native step when it is built, else the eager int4 copies
-    assert quant.native is not None or any(m.qbits for m in quant.model.modules() if hasattr(m, "qbits"))
+    assert quant.backend.name == "native" or any(getattr(m, "qbits", 0) for m in quant.backend.model.modules())
     tokenizer = dense.tokenizer
     france = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     prompt = list(tokenizer.apply_chat_template(france, add_generation_prompt=True, tokenize=True, return_dict=False))

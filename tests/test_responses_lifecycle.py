@@ -15,6 +15,12 @@ from test_responses_api import MODEL, tiny_tool_model
 from server_harness import ThreadedServer, llm_engine_loader, slowed, tiny_engine_config, wait_until, wrapped_execute
 
 
+# A JSON array of 5000 integers: the grammar bans EOS until it is complete, which takes far more tokens.
+ENDLESS = {"format": {"type": "json_schema", "name": "endless", "schema": {
+    "type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "minItems": 5000}},
+    "required": ["a"]}}}  # fmt: skip
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_kv(tmp_path: Path) -> None:
     config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
     with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
@@ -41,7 +47,8 @@ def test_a_drain_ends_each_open_stream_with_one_terminal_event(tmp_path: Path) -
 
         def read(i: int) -> list[dict]:
             events = []
-            body = dict(model=MODEL, input=f"Hello {i}", max_output_tokens=3 if i == 0 else 1500, stream=True)
+            body = dict(model=MODEL, input=f"Hello {i}", max_output_tokens=3 if i == 0 else 1900, stream=True,
+                        text=ENDLESS)  # no stream can end by itself before its max_output_tokens
             for event in client.responses.create(**body):
                 events.append(event.to_dict(warnings=False))
                 started[i].set()

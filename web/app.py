@@ -10,7 +10,7 @@ from web.api_keys import install_api_keys
 from web.body_limit import BodyLimit
 from web.chat_page import blueprint as chat_page
 from web.cors import CORS
-from web.responses_api import blueprint as responses_api
+from web.responses_api.routes import blueprint as responses_api
 from web.errors import register_error_handlers
 from web.routes import blueprint
 from web.services import Services

@@ -1,14 +1,24 @@
-"""Sluice as a plain ASGI app, for the `hypercorn` command line:
+"""The one host: Sluice as an ASGI app whose lifespan owns the process's life. Every launcher runs this:
 
-    hypercorn --config web/hypercorn.toml 'web.asgi:create_asgi_app()'
+    python -m web.server / sluice serve      web/server.py: serve(), Hypercorn's serve() in this process
+    hypercorn --config web/hypercorn.toml 'web.asgi:create_asgi_app()'      the hypercorn command
 
-The ASGI lifespan owns the anyio task group of the engine loop: startup starts it (the model then loads
-while /health answers 503), shutdown drains it. Left alone, Hypercorn's own SIGTERM handling would close
-the listeners and, after graceful_timeout, cut open streams before the lifespan shutdown ever ran (and a
-worker process spawned by Hypercorn dies at once on a SIGTERM sent to the process group). So at startup the
-app takes SIGTERM and SIGINT over in its process: a signal first drains the engine, exactly as
-`python -m web.server` does (503 for new requests, in-flight streams get drain_timeout, the rest end with
-finish_reason "abort" and [DONE]), then hands the signal on to Hypercorn, which stops with nothing left open.
+Lifespan startup starts the engine loop (the model then loads while /health answers 503) and the idle-memory
+trimmer in one anyio task group; startup completes at once, so HTTP is served while the model loads.
+
+Stop: SIGTERM / SIGINT (or the `stop` event of a launcher that runs the server outside the main thread) first
+drains the engine: new requests get 503, in-flight streams get drain_timeout, the rest end with finish_reason
+"abort" and [DONE]. Only then is Hypercorn told to stop, so it finds nothing left open: through the
+`stopped` event a launcher gives Hypercorn as its shutdown trigger, or, under the hypercorn command, by
+handing the signal on to Hypercorn's own handler (left alone, that handler would close the listeners and,
+after graceful_timeout, cut open streams before the lifespan shutdown ever ran; a worker process spawned by
+Hypercorn dies at once on a SIGTERM sent to the process group). A second signal stops at once.
+
+Engine failure: a crashed loop or a stalled step (the watchdog) has ended every open stream with an error
+event; they get FAILURE_FLUSH_SECONDS to be written, then the server stops and the process exits 1 (a
+launcher returns exit_code(); under the hypercorn command the process exits by os._exit), never a server that
+answers with a dead engine. A forward pass that never returns cannot be stopped: the process then ends by
+os._exit HARD_EXIT_SECONDS after it was abandoned.
 """
 
 from __future__ import annotations
@@ -17,6 +27,9 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+import threading
+from functools import partial
 from typing import Any
 
 import anyio
@@ -24,20 +37,34 @@ from anyio.abc import TaskGroup
 
 from engine.async_engine import AsyncEngine, EngineState
 from engine.config import SluiceConfig, load_config
-from web.app import create_app
 from web.memory import limit_arenas, trim_while_idle
-from web.server import FAILURE_FLUSH_SECONDS, GIL_SWITCH_INTERVAL, build_engine, exit_code
 
-logger = logging.getLogger("sluice.asgi")
+logger = logging.getLogger("sluice.server")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The forward-pass thread holds the GIL between torch calls; the default 5 ms switch interval lets it keep
+# the event loop waiting that long each time. Handlers and /health need it back sooner.
+GIL_SWITCH_INTERVAL = 0.0005
+# After an engine failure or stall, the ended streams get this long to be written before the server stops.
+FAILURE_FLUSH_SECONDS = 1.0
+# An abandoned forward-pass thread keeps a normal exit waiting forever: the process ends this much later.
+HARD_EXIT_SECONDS = 5.0
 
 
 class SluiceASGI:
-    def __init__(self, config: SluiceConfig) -> None:
-        self.config = config
-        self.engine: AsyncEngine = build_engine(config)
-        self.app = create_app(self.engine, config.server)
+    def __init__(self, engine: AsyncEngine, app: Any, drain_timeout: float) -> None:
+        self.engine = engine
+        self.app = app  # the Quart app: HTTP only
+        self.drain_timeout = drain_timeout
+        self._stop: anyio.Event | None = None  # a launcher's stop request, instead of the signals
+        self._stopped: anyio.Event | None = None  # set once drained (or failed): a launcher's shutdown trigger
         self._is_draining = False
+
+    def run_by_launcher(self, stop: anyio.Event | None) -> anyio.Event:
+        """A launcher serves this app in its own event loop: it passes `stop` to stop it without a signal (a
+        server outside the main thread), and gets the event to give Hypercorn as its shutdown trigger."""
+        self._stop = stop
+        self._stopped = anyio.Event()
+        return self._stopped
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -52,13 +79,17 @@ class SluiceASGI:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._run_engine)
             tg.start_soon(trim_while_idle, self.engine)
-            self._take_over_signals(tg)
+            if self._stop is not None:
+                tg.start_soon(self._drain_on_stop, self._stop)
+            else:
+                self._take_over_signals(tg)
             await send({"type": "lifespan.startup.complete"})
             await receive()  # lifespan.shutdown
             await self._drain()
             tg.cancel_scope.cancel()
         await send({"type": "lifespan.shutdown.complete"})
 
+    # ---- stop ---------------------------------------------------------------------------------------------
     def _take_over_signals(self, tg: TaskGroup) -> None:
         loop = asyncio.get_running_loop()
         for signum in SIGNALS:
@@ -68,38 +99,96 @@ class SluiceASGI:
 
     def _on_signal(self, tg: TaskGroup, signum: int, previous: asyncio.Handle | None) -> None:
         if self._is_draining:  # a second signal: stop now
-            if previous is not None:
-                previous._run()
+            self._stop_serving(previous)
             return
-        logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, self.config.server.drain_timeout)
+        logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, self.drain_timeout)
         tg.start_soon(self._drain_then_stop, previous)
+
+    async def _drain_on_stop(self, stop: anyio.Event) -> None:
+        await stop.wait()
+        await self._drain_then_stop(None)
 
     async def _drain_then_stop(self, previous: asyncio.Handle | None) -> None:
         await self._drain()
-        # In a worker process of its own, Hypercorn stops when its parent (signalled too) tells it to.
+        self._stop_serving(previous)
+
+    def _stop_serving(self, previous: asyncio.Handle | None) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+        # Under the hypercorn command: its handler stops it (in a worker process of its own, Hypercorn stops
+        # when its parent, signalled too, tells it to).
         if previous is not None:
             previous._run()
 
     async def _drain(self) -> None:
         self._is_draining = True
-        await self.engine.drain(self.config.server.drain_timeout)
+        await self.engine.drain(self.drain_timeout)
 
+    # ---- the engine ---------------------------------------------------------------------------------------
     async def _run_engine(self) -> None:
         try:
-            await self.engine.run()
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.engine.run)
+                logger.info("engine ready")
         except Exception:
-            logger.exception("the engine loop crashed: exiting")
+            logger.exception("the engine loop failed: stopping")
         if self.engine.state in (EngineState.DEAD, EngineState.STALLED):
             await anyio.sleep(FAILURE_FLUSH_SECONDS)  # the ended streams write their last events
+            if self._stopped is not None:
+                self._stopped.set()  # the launcher stops Hypercorn and returns exit_code()
+                return
             logging.shutdown()
             os._exit(exit_code(self.engine))  # never a server that answers with a dead engine
 
 
-def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
-    """Reads config.toml (or SLUICE_CONFIG / `config_path`) and SLUICE_<KEY> environment variables."""
-    import sys
+def exit_code(engine: AsyncEngine) -> int:
+    failed = engine.state in (EngineState.DEAD, EngineState.STALLED) or engine.is_forward_abandoned
+    return 1 if failed else 0
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+def build_engine(config: SluiceConfig) -> AsyncEngine:
+    if config.cluster.replicas:
+        from web.cluster.front import ClusterEngine  # the same face; Ray is imported when it starts
+
+        return ClusterEngine(config)  # type: ignore[return-value]
+    from engine.llm_engine import LLMEngine  # torch: imported only when a server really starts
+
+    server = config.server
+    return AsyncEngine(
+        partial(LLMEngine, config.engine),
+        max_pending=server.max_pending,
+        step_timeout=server.step_timeout,
+        client_read_timeout=server.client_read_timeout,
+        on_forward_abandoned=arm_hard_exit,
+    )
+
+
+def arm_hard_exit() -> None:
+    """A forward pass was abandoned in its thread: make sure the process ends (non-zero) soon."""
+
+    def hard_exit() -> None:
+        logger.error("a forward pass is still running in its thread: exiting now")
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(HARD_EXIT_SECONDS, hard_exit)
+    timer.daemon = True
+    timer.start()
+
+
+def build_host(config: SluiceConfig) -> SluiceASGI:
+    """The process-wide settings every launcher makes, then the engine, the Quart app and their host."""
+    from web.app import create_app
+
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     limit_arenas()
-    return SluiceASGI(load_config(config_path or os.environ.get("SLUICE_CONFIG")))
+    engine = build_engine(config)
+    return SluiceASGI(engine, create_app(engine, config.server), config.server.drain_timeout)
+
+
+def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
+    """For the hypercorn command: reads config.toml (or SLUICE_CONFIG / `config_path`) and SLUICE_<KEY>
+    environment variables."""
+    config = load_config(config_path or os.environ.get("SLUICE_CONFIG"))
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return build_host(config)

@@ -20,7 +20,7 @@ USAGE = """sluice <command> [flags]
 commands:
   serve      run the OpenAI-compatible server (and the chat page at /)
   generate   generate once from a prompt, offline, streaming to the terminal
-  bench      measure a running server under load (python -m bench)
+  bench      measurements: the load generator and the other modes (python -m bench)
 
 `sluice <command> --help` lists each command's flags with their defaults."""
 
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "generate":
         return generate_main(rest)
     if command == "bench":
-        from bench.cli import main as bench_main
+        from bench.modes import main as bench_main
 
         return bench_main(rest)
     print(f"sluice: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

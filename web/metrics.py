@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from engine.async_engine import EngineStats
 from engine.request import Request
 from engine.outputs import FinishReason, RequestOutput
+from engine.speculative.stats import ProposerCounts
 from web.cluster.metrics import ClusterMetrics
 from web.cluster.stats import ClusterStats
 
@@ -46,6 +49,8 @@ class ServerMetrics:
         self.aborted = Counter("sluice_requests_aborted", "Requests ended by abort (disconnect or drain)", registry=r)
         self.failed = Counter("sluice_requests_failed", "Requests ended by an engine error", registry=r)
         self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length", registry=r)
+        self.speculation = SpeculationCollector()
+        r.register(self.speculation)
         self._cluster: ClusterMetrics | None = None  # with --replicas: the replicas one by one
 
     def render(self, stats: EngineStats) -> bytes:
@@ -58,7 +63,29 @@ class ServerMetrics:
         self.pending.set(stats.pending)
         self.free_blocks.set(stats.free_kv_blocks)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
+        self.speculation.counts = stats.speculation or {}
         return generate_latest(self.registry)
+
+
+class SpeculationCollector:
+    """The engine's speculation counters by proposer, read at each scrape (tokens per step = emitted / steps)."""
+
+    SERIES = (
+        ("steps", "num_steps", "Verification steps (a sequence's last token and its drafts in one query)"),
+        ("draft_tokens", "num_draft_tokens", "Draft tokens proposed"),
+        ("accepted_tokens", "num_accepted_tokens", "Draft tokens accepted"),
+        ("emitted_tokens", "num_emitted_tokens", "Tokens emitted by verification steps (accepted drafts + 1 each)"),
+    )
+
+    def __init__(self) -> None:
+        self.counts: Mapping[str, ProposerCounts] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for name, attribute, doc in self.SERIES:
+            family = CounterMetricFamily(f"sluice_speculative_{name}", doc, labels=["proposer"])
+            for proposer, counts in self.counts.items():
+                family.add_metric([proposer], getattr(counts, attribute))
+            yield family
 
 
 class RequestTimer:

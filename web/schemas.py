@@ -82,6 +82,7 @@ class SamplingFields(RequestBody):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
+    speculative: bool | None = True  # false: this request never speculates (the output is the same either way)
     user: str | None = None
     response_format: ResponseFormatField | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -146,6 +147,7 @@ class SamplingFields(RequestBody):
             logit_bias=self.logit_bias,
             n=_default(self.n, 1),
             structured_outputs=self.constraint(),
+            speculative=_default(self.speculative, True),
         )
 
 

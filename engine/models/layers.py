@@ -7,13 +7,14 @@ StepContext that the model runner builds once per step and every layer shares.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.rope import rope_inv_freq
 
 INT4_GROUP_SIZE = 32
 PACK_BATCH_HINT = 32  # rows oneDNN lays a packed weight out for; any M works (measured: best across 1..512)
@@ -147,77 +148,6 @@ class UnitOffsetRMSNorm(RMSNorm):
         return (1.0 + self.weight.detach().float()).contiguous()
 
 
-def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
-    """transformers 5 keeps rope settings in `rope_parameters` (keyed by layer type when the types differ, as in
-    Gemma 3); 4.x in `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq` for sliding layers)."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params and layer_type is not None and layer_type in params:
-        params = dict(params[layer_type])
-    elif params and not any(isinstance(v, dict) for v in params.values()):
-        params = dict(params)
-    elif layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None):
-        params = {"rope_theta": hf_config.rope_local_base_freq}
-    else:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
-
-
-def rope_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim / 2] and the cos/sin scale factor for the config's rope kind (for the layers
-    of `layer_type` when the config gives each type its own)."""
-    p = _rope_parameters(hf_config, layer_type)
-    kind = p["rope_type"]
-    base = float(p["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / float(p["factor"]), 1.0
-    if kind == "llama3":
-        factor = float(p["factor"])
-        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
-        old_len = float(p["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        factor = float(p["factor"])
-        old_len = p.get("original_max_position_embeddings") or hf_config.max_position_embeddings
-        beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
-        attention_factor = p.get("attention_factor")
-        if attention_factor is None:
-            mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
-
-            def get_mscale(scale: float, m: float = 1.0) -> float:
-                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-            if mscale and mscale_all_dim:
-                attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-            else:
-                attention_factor = get_mscale(factor)
-
-        def correction_dim(rotations: float) -> float:
-            return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if p.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        interpolation = inv_freq / factor
-        return interpolation * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
-    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn)")
-
-
 class Rotary(nn.Module):
     """Rotary position embedding in the rotate-half layout of Hugging Face Llama checkpoints."""
 
@@ -239,16 +169,6 @@ class Rotary(nn.Module):
             ctx.rope_cache[id(self)] = cached
         cos, sin = cached
         return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
-
-
-def layer_window(hf_config: Any, layer_index: int) -> int | None:
-    """How many positions back (the query's own included) a layer attends, or None for all: Gemma 3's and
-    Qwen's sliding layers (`layer_types`), Mistral's every layer (`sliding_window` alone)."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_index] == "sliding_attention" else None
-    return window if getattr(hf_config, "model_type", "") == "mistral" else None
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:

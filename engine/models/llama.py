@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, layer_window, paged_attention
+from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, paged_attention
+from engine.rope import layer_window
 
 # model types whose attention normalises each query and key head (weights q_norm / k_norm)
 QK_NORM_MODEL_TYPES = {"qwen3"}

@@ -12,6 +12,7 @@ import torch
 
 GROUP = 32  # weights per scale along K
 TILE = 16  # output rows per tile
+PACK_ROWS = 1024  # rows packed at a time (a multiple of TILE)
 
 
 @dataclass
@@ -49,50 +50,69 @@ def _tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 def q4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/32], minimum [N, K/32]); w ~ q * scale + minimum.
+    """float [N, K] -> (q uint8 [N, K] in 0..15, scale [N, K/32], minimum [N, K/32]); w ~ q * scale + minimum.
     The same grid as Linear.quantize_int4."""
     n, k = w.shape
     groups = w.float().view(n, k // GROUP, GROUP)
     lo, hi = groups.amin(-1), groups.amax(-1)
     scale = _half(((hi - lo) / 15).clamp_min(_HALF_TINY))
     lo = _half(lo)
-    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    q = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).view(n, k)
     return q, scale, lo
 
 
 def q8_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (q int32 [N, K] in -127..127, scale [N, K/32]); w ~ q * scale."""
+    """float [N, K] -> (q int8 [N, K] in -127..127, scale [N, K/32]); w ~ q * scale."""
     n, k = w.shape
     groups = w.float().view(n, k // GROUP, GROUP)
     scale = _half((groups.abs().amax(-1) / 127).clamp_min(_HALF_TINY))
-    q = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int32).view(n, k)
+    q = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
     return q, scale
 
 
 def pack_q4(w: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
-    n, k = w.shape
-    q, scale, lo = q4_grid(w)
-    padded = -(-n // TILE) * TILE
-    q, scale, lo = _pad_rows(q, padded), _pad_rows(scale, padded), _pad_rows(lo, padded)
-    # per octet of K a uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i (i = 0..3)
-    q8 = q.to(torch.int64).view(-1, k // 8, 8)
-    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int64)
-    words = (q8 << shifts).sum(-1)  # [Np, K/8]
-    octet_bytes = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-    octets = octet_bytes.view(-1, TILE, k // 8, 4).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/8, 16, 4]
-    empty = torch.empty(0, dtype=torch.float32)
-    return Q4Packed(
-        octets, _tiles(scale.half()), _tiles(lo.half()), empty if bias is None else bias.float().contiguous(), n
-    )
+    return pack_q4_grid(*q4_grid(w), bias)
 
 
 def pack_q8(w: torch.Tensor) -> Q8Packed:
-    n, _ = w.shape
-    q, scale = q8_grid(w)
+    return pack_q8_grid(*q8_grid(w))
+
+
+def _fits_half(x: torch.Tensor) -> bool:
+    return bool(torch.equal(x.half().float(), x.float()))
+
+
+def can_pack_q4_exactly(scale: torch.Tensor, minv: torch.Tensor) -> bool:
+    """Whether a grid's scales and minimums survive the Q4 layout's float16 unchanged (Q4_0, Q4_1: always)."""
+    return _fits_half(scale) and _fits_half(minv)
+
+
+def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
+    """q [N, K] in 0..15 (any integer dtype), scale / minv [N, K/32] (rounded to float16)."""
+    n, k = q.shape
     padded = -(-n // TILE) * TILE
-    q, scale = _pad_rows(q, padded), _pad_rows(scale, padded)
-    k = q.shape[1]
-    pairs = q.to(torch.int8).view(-1, TILE, k // 2, 2).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/2, 16, 2]
+    q, scale, minv = _pad_rows(q, padded), _pad_rows(scale.float(), padded), _pad_rows(minv.float(), padded)
+    # per octet of K a uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i (i = 0..3);
+    # built TILE_ROWS rows at a time so that the int32 words of a large matrix are never all in memory
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)
+    octets = torch.empty(padded * k // 2, dtype=torch.uint8)
+    for r in range(0, padded, PACK_ROWS):
+        rows = q[r : r + PACK_ROWS].to(torch.int32).view(-1, k // 8, 8)
+        words = (rows << shifts).sum(-1, dtype=torch.int32)  # [rows, K/8], bit-disjoint so the sum is an OR
+        octet_bytes = words.contiguous().view(torch.uint8).view(-1, TILE, k // 8, 4)  # little endian
+        octets[r * k // 2 : (r + rows.shape[0]) * k // 2] = octet_bytes.transpose(1, 2).reshape(-1)
+    empty = torch.empty(0, dtype=torch.float32)
+    return Q4Packed(
+        octets, _tiles(scale.half()), _tiles(minv.half()), empty if bias is None else bias.float().contiguous(), n
+    )
+
+
+def pack_q8_grid(q: torch.Tensor, scale: torch.Tensor) -> Q8Packed:
+    """q [N, K] in -127..127, scale [N, K/32] (rounded to float16)."""
+    n, k = q.shape
+    padded = -(-n // TILE) * TILE
+    q, scale = _pad_rows(q.to(torch.int8), padded), _pad_rows(scale.float(), padded)
+    pairs = q.view(-1, TILE, k // 2, 2).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/2, 16, 2]
     return Q8Packed(pairs, _tiles(scale.half()), n)
 
 

@@ -28,6 +28,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reservation
 from engine.config import SluiceConfig
+from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.outputs import FinishReason
 from engine.request import OutputStream, Request, abort_abandoned
@@ -140,7 +141,7 @@ class ClusterEngine:
         """Slots for requests about to be prepared: a replica takes max_num_seqs running plus max_pending
         queued, as one process does; QueueFull (429) when the ready replicas together have no room."""
         self._ready()
-        capacity = sum(self._capacity(s) for s in self._slots if s.is_ready)
+        capacity = self._places_per_replica * sum(s.is_ready for s in self._slots)
         num_held = len(self._requests) + self._num_reserved
         if num_held + num_requests > capacity:
             raise QueueFull(f"{num_held} requests are in flight or being prepared, for {capacity} places")
@@ -294,11 +295,9 @@ class ClusterEngine:
         router = self._router
         assert router is not None and self._tg is not None
         if request.request_id in self._requests:
-            from engine.errors import InvalidRequest
-
             raise InvalidRequest(f"request id {request.request_id!r} is already in use")
         ready = [s for s in self._slots if s.is_ready]
-        with_room = [s for s in ready if s.num_in_flight < self._capacity(s)] or ready
+        with_room = [s for s in ready if s.num_in_flight < self._places_per_replica] or ready
         hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size) if router.policy == "affine" else []
         route = router.choose(hashes, {s.index: s.load for s in with_room})
         if route is None:
@@ -363,7 +362,9 @@ class ClusterEngine:
             self._end(request_id, reason)
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _capacity(self, slot: ReplicaSlot) -> int:
+    @property
+    def _places_per_replica(self) -> int:
+        """A replica takes max_num_seqs running plus max_pending queued, as one process does."""
         return self._max_num_seqs + self.max_pending
 
     def _loaded(self) -> InputProcessor:

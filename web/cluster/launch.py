@@ -22,6 +22,7 @@ from web.cluster.replica import EngineReplica
 
 logger = logging.getLogger("sluice.cluster")
 APP_PREFIX = "sluice-replica-"
+LOCAL_START_ATTEMPTS = 3
 
 
 def replica_config(config: SluiceConfig, num_cpus: int) -> SluiceConfig:
@@ -51,6 +52,26 @@ class LaunchedCluster:
                 ray.shutdown()
 
 
+def start_local_ray() -> None:
+    """No dashboard, every Ray port on the loopback interface, the CPUs of this machine. Ray gives its raylet
+    30 s (fixed) to register; on a machine busy enough to miss that, the start is tried again."""
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                num_cpus=os.cpu_count() or 1,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level=logging.WARNING,
+            )
+            return
+        except Exception as error:  # Ray raises a bare Exception for "timed out during startup"
+            ray.shutdown()
+            if attempt == LOCAL_START_ATTEMPTS or "timed out during startup" not in str(error):
+                raise
+            logger.warning("Ray's local start timed out (attempt %d of %d): trying again", attempt,
+                           LOCAL_START_ATTEMPTS)  # fmt: skip
+
+
 def launch_replicas(config: SluiceConfig) -> LaunchedCluster:
     cluster = config.cluster
     started_ray = False
@@ -58,13 +79,7 @@ def launch_replicas(config: SluiceConfig) -> LaunchedCluster:
         if cluster.ray_address:
             ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
         else:
-            # Local: no dashboard, every Ray port on the loopback interface; the CPUs of this machine.
-            ray.init(
-                num_cpus=os.cpu_count() or 1,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                logging_level=logging.WARNING,
-            )
+            start_local_ray()
             started_ray = True
     num_cpus = int(ray.available_resources().get("CPU", 1)) if cluster.ray_address else (os.cpu_count() or 1)
     engine_config = replica_config(config, num_cpus)

@@ -1,6 +1,6 @@
 """Constrained against unconstrained decoding on the offline engine: the cost of structured outputs.
 
-    python -m bench.structured [--streams 1,32] [--prompt-tokens 128] [--output-tokens 128] [--repeats 3]
+    python -m bench structured [--streams 1,32] [--prompt-tokens 128] [--output-tokens 128] [--repeats 3]
 
 Each run generates exactly --output-tokens tokens per request, greedy, with the same prompts: unconstrained
 (ignore_eos) and constrained by a JSON schema (an array of objects with enum, integer and string fields) that
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.offline import make_prompts
+from bench.experiments.offline import make_prompts
 
 SCHEMA = {
     "type": "array",
@@ -31,14 +31,14 @@ SCHEMA = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="a model path ('' = the default SmolLM2 GGUF)")
     parser.add_argument("--streams", default="1,32")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from engine import LLM, SamplingParams, StructuredOutputs
 

@@ -1,4 +1,4 @@
-"""What clients that never read cost a server: `python -m bench.never_read --url URL --streams 40`.
+"""What clients that never read cost a server: `python -m bench never-read --url URL --streams 40`.
 
 First N streams read to the end (so that the high-water marks of N streams are reached), then N streaming
 requests on sockets with a 4 KiB receive buffer, none of them read for `--seconds`; the server's RSS (from
@@ -61,14 +61,14 @@ async def run(url: str, num_streams: int, seconds: float, output_tokens: int, re
           f"peak {peak / MIB:.0f} MiB (+{(peak - before) / MIB:.0f}); {dict(outcomes)}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--streams", type=int, default=40)
     p.add_argument("--seconds", type=float, default=75.0, help="how long the never-read clients hold on")
     p.add_argument("--output-tokens", type=int, default=2048, help="max_tokens of a never-read stream (ignore_eos)")
     p.add_argument("--read-output-tokens", type=int, default=256, help="max_tokens of a stream that is read")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     asyncio.run(run(args.url, args.streams, args.seconds, args.output_tokens, args.read_output_tokens))
 
 

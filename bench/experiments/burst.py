@@ -1,4 +1,4 @@
-"""Time to response headers in a burst, measured by a lean client: `python -m bench.burst --url URL --size 256`.
+"""Time to response headers in a burst, measured by a lean client: `python -m bench burst --url URL --size 256`.
 
 httpx costs the load generator about a millisecond of its own event loop per request, which a burst of
 hundreds turns into latency the server never caused. Here every connection is opened first; then all requests
@@ -74,14 +74,14 @@ async def run(url: str, size: int, prompt_tokens: int, output_tokens: int, timeo
            *await burst(host, port, requests, timeout))  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=600.0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     asyncio.run(run(args.url, args.size, args.prompt_tokens, args.output_tokens, args.timeout))
 
 

@@ -1,6 +1,6 @@
 """Offline throughput: Sluice's engine against transformers `generate`, same model, same prompts, one run.
 
-    python -m bench.offline [--num-requests 32] [--prompt-tokens 128] [--output-tokens 128]
+    python -m bench offline [--num-requests 32] [--prompt-tokens 128] [--output-tokens 128]
 
 Reports single-stream decode tokens/s (output tokens after the first, over the time after the first) and
 the throughput of a batch of requests (all output tokens over the wall time), with Sluice / transformers ratios.
@@ -12,6 +12,8 @@ import argparse
 import gc
 import time
 from collections.abc import Callable
+
+from pathlib import Path
 
 import torch
 
@@ -64,8 +66,12 @@ def bench_transformers(args, model_dir: str, prompts: list[list[int]]) -> dict[s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = Path(model_dir)
+    # a GGUF: transformers dequantises it itself (the same values Sluice reads)
+    where = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if path.suffix == ".gguf" else {
+        "pretrained_model_name_or_path": path}
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(**where)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(batch: list[list[int]], max_tokens: int) -> None:
@@ -86,18 +92,18 @@ def bench_transformers(args, model_dir: str, prompts: list[list[int]]) -> dict[s
     return measure(args, run, prompts)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from engine import LLM
 
     llm = LLM(dtype=args.dtype, max_num_seqs=max(args.num_requests, 1), enable_prefix_caching=False)
-    model_dir = str(llm.engine.model_dir)
+    model_dir = str(llm.engine.model_path)
     prompts = make_prompts(llm.tokenizer, args.num_requests, args.prompt_tokens)
     sluice = bench_sluice(args, llm, prompts)
     del llm

@@ -1,6 +1,6 @@
 """How late the event loop is while the engine decodes: the GIL the forward pass holds, measured.
 
-    python -m bench.gil [--streams 64] [--output-tokens 128] [--prompt-tokens 128]
+    python -m bench gil [--streams 64] [--output-tokens 128] [--prompt-tokens 128]
 
 Runs the engine's steps in one worker thread (as the server does: anyio.to_thread), keeps `--streams` greedy
 requests decoding, and meanwhile samples the event loop: a task asks to wake every millisecond and records how
@@ -17,7 +17,7 @@ import time
 
 import anyio
 
-from bench.offline import make_prompts
+from bench.experiments.offline import make_prompts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -32,8 +32,9 @@ async def measure(args: argparse.Namespace) -> None:
     engine = llm.engine
     runner = engine.runner
     inside = [0.0]
-    for name in ("forward", "compute_logits") if runner.native is not None else ():
-        fn = getattr(runner.native, name)
+    backend = runner.backend
+    for name in ("forward", "compute_logits"):
+        fn = getattr(backend, name)
 
         def timed(*a, _fn=fn, **kw):
             start = time.perf_counter()
@@ -42,8 +43,7 @@ async def measure(args: argparse.Namespace) -> None:
             finally:
                 inside[0] += time.perf_counter() - start
 
-        setattr(runner.native, name, timed)
-    runner.compute_logits = runner.native.compute_logits if runner.native is not None else runner.compute_logits
+        setattr(backend, name, timed)
     prompts = make_prompts(engine.tokenizer, args.streams, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -69,21 +69,21 @@ async def measure(args: argparse.Namespace) -> None:
             steps += 1
         done.set()
     wall = time.perf_counter() - start
-    print(f"native step: {runner.native is not None}; {args.streams} streams decoding, {steps} steps, "
+    print(f"{backend.name} step; {args.streams} streams decoding, {steps} steps, "
           f"{wall / steps * 1000:.1f} ms a step")
     print(f"time inside the forward pass and logits calls: {inside[0] / wall * 100:.1f}% of the wall time")
     print(f"event-loop lag (ms, {len(lags)} samples): p50 {statistics.median(lags):.2f}  p99 {percentile(lags, 0.99):.2f}  "
           f"max {max(lags):.2f}")  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--max-steps", type=int, default=100)
     sys.setswitchinterval(0.0005)  # as the server sets it (web/server.py)
-    anyio.run(measure, parser.parse_args())
+    anyio.run(measure, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""`python -m bench <mode> [flags]`: the one front door to Sluice's measurements. Each mode is a module with a
+`main(argv)`; `python -m bench <mode> --help` lists its flags.
+
+To add a mode, add a line to MODES (name -> module). Flags first, without a mode (`python -m bench --sweep
+1,4,16`), is the load mode, as it always was.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, what it measures)
+MODES: dict[str, tuple[str, str]] = {
+    "load": ("bench.cli", "the load generator against OpenAI-compatible servers (also --soak, --abuse, --compare)"),
+    "offline": ("bench.experiments.offline", "the offline engine against transformers generate"),
+    "gil": ("bench.experiments.gil", "the event loop's lag while the engine decodes in its worker thread"),
+    "never-read": ("bench.experiments.never_read", "what clients that never read cost a server (RSS)"),
+    "burst": ("bench.experiments.burst", "time to response headers in a burst, with a lean client"),
+    "structured": ("bench.experiments.structured", "constrained against unconstrained decoding"),
+    "parallel-sampling": ("bench.experiments.parallel_sampling", "one request with n against n requests"),
+    "cluster": ("bench.cluster", "engine replicas against one process, in one run"),
+    "route-sim": ("bench.route_sim", "the replica router on a synthetic trace of conversations"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in MODES)
+    lines = [f"  {name:<{width}}  {about}" for name, (_, about) in MODES.items()]
+    return "usage: python -m bench <mode> [flags]   (python -m bench <mode> --help)\n\nmodes:\n" + "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not args or args[0].startswith("-"):
+        name, rest = "load", args
+    elif args[0] in MODES:
+        name, rest = args[0], args[1:]
+    else:
+        print(f"python -m bench: unknown mode {args[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(MODES[name][0])
+    return module.main(rest) or 0

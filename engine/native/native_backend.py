@@ -1,0 +1,262 @@
+"""The native forward path behind the StepBackend seam: a Llama-family model's weights packed straight from the
+checkpoint's stored tensors (one at a time; no model object, no float copy of the model), then one C++ call for
+all layers of a step and one for the logits, each releasing the GIL for its whole run.
+
+Each linear is packed on the file's own grid where the kernels hold it exactly (Q4_0 / Q4_1 layers, Q8_0 / Q4_0 /
+Q5_0 embedding and head); any other stored type is dequantised alone and re-quantised onto Q4_1 / Q8_0, and
+`plan` says so per tensor (the loader logs it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engine.batch import StepBatch
+from engine.checkpoint.block_grids import grid_of
+from engine.checkpoint.stored_tensor import StoredTensor
+from engine.native.packing import (
+    GROUP,
+    PACK_ROWS,
+    TILE,
+    Q4Packed,
+    Q8Packed,
+    can_pack_q4_exactly,
+    pack_q4,
+    pack_q4_grid,
+    pack_q8,
+    pack_q8_grid,
+)
+from engine.rope import layer_window, rope_tables
+from engine.step_backend import StepHidden
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+HEAD_DIMS = (16, 32, 64, 128, 256)
+UNIT_OFFSET_NORMS = ("gemma3_text",)  # norms scale by 1 + w (the stored w is Hugging Face's)
+Q4_EXACT = ("Q4_0", "Q4_1")  # the layers' Q4 layout holds these grids bit for bit
+Q8_EXACT = ("Q8_0", "Q4_0", "Q5_0")  # symmetric per-32 grids: q - offset fits int8, the scale float16
+
+
+@dataclass
+class PackPlan:
+    """How each stored type is run: exactly on its own grid, or re-quantised (and why)."""
+
+    exact: dict[str, set[str]] = field(default_factory=dict)  # stored type -> layouts it was packed into
+    requantised: dict[str, set[str]] = field(default_factory=dict)
+
+    def note(self, type_name: str, layout: str, is_exact: bool) -> None:
+        (self.exact if is_exact else self.requantised).setdefault(type_name, set()).add(layout)
+
+
+def _attn_sizes(cfg: Any) -> tuple[int, int, int]:
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def unsupported_reason(cfg: Any, tensors: Mapping[str, StoredTensor]) -> str | None:
+    """Why the native step cannot run this model, or None if it can."""
+    if cfg.model_type not in MODEL_TYPES:
+        return f"architecture {cfg.model_type!r} has no native step yet (native: {', '.join(MODEL_TYPES)})"
+    heads, _, head_dim = _attn_sizes(cfg)
+    if cfg.hidden_size % GROUP or cfg.intermediate_size % GROUP or heads * head_dim % GROUP:
+        return f"hidden / intermediate / attention sizes must be multiples of {GROUP}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+    if "lm_head.bias" in tensors:
+        return "lm_head has a bias"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    return None
+
+
+def _released(tensors: list[StoredTensor]) -> None:
+    for t in tensors:
+        t.release()
+
+
+def _row_chunks(tensor: StoredTensor) -> Iterator[StoredTensor]:
+    """PACK_ROWS rows at a time (a multiple of the tile height: each chunk packs into whole tiles), so that a
+    tensor's unpacked grid or float copy is never whole in memory."""
+    n = tensor.shape[0]
+    for start in range(0, n, PACK_ROWS):
+        yield tensor.row_slice(start, min(n, start + PACK_ROWS))
+
+
+def _q4_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q4Packed]:
+    exact = tensor.type_name in Q4_EXACT
+    for chunk in _row_chunks(tensor):
+        if exact:
+            grid = grid_of(chunk)
+            scale, minv = torch.from_numpy(grid.scale), torch.from_numpy(grid.minv)
+            if can_pack_q4_exactly(scale, minv):
+                yield pack_q4_grid(torch.from_numpy(grid.q), scale, minv, None)
+                continue
+            exact = False
+        yield pack_q4(chunk.to_float(), None)
+    plan.note(tensor.type_name, "Q4", exact)
+
+
+def _q4_linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> Q4Packed:
+    """Linears sharing an input, fused along N (q, k, v or gate, up), in the Q4 layout: each part packed on its
+    own, chunk by chunk, and the tiles joined (whole tiles when every N is a multiple of the tile height); the
+    stored tensors are released once packed."""
+    try:
+        b = torch.cat([t.to_float() for t in bias]) if bias else None
+        if any(t.shape[0] % TILE for t in parts):  # tiny models only: fuse the float rows, then pack
+            for t in parts:
+                plan.note(t.type_name, "Q4", False)
+            return pack_q4(torch.cat([t.to_float() for t in parts]), b)
+        pieces = [piece for t in parts for piece in _q4_pieces(t, plan)]
+        return Q4Packed(
+            torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]),
+            torch.cat([p.minv for p in pieces]), b if b is not None else torch.empty(0), sum(t.shape[0] for t in parts),
+        )  # fmt: skip
+    finally:
+        _released(parts + (bias or []))
+
+
+def _q8_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q8Packed]:
+    exact = tensor.type_name in Q8_EXACT
+    # Q4_0 / Q5_0: q - offset with the same scale (minv = -offset * scale)
+    offset = {"Q4_0": 8, "Q5_0": 16}.get(tensor.type_name, 0)
+    for chunk in _row_chunks(tensor):
+        if exact:
+            grid = grid_of(chunk)
+            q = torch.from_numpy(grid.q).to(torch.int16) - offset
+            yield pack_q8_grid(q, torch.from_numpy(grid.scale))
+        else:
+            yield pack_q8(chunk.to_float())
+    plan.note(tensor.type_name, "Q8", exact)
+
+
+def _q8_matrix(tensor: StoredTensor, plan: PackPlan) -> Q8Packed:
+    try:
+        if tensor.shape[0] % TILE:
+            plan.note(tensor.type_name, "Q8", False)
+            return pack_q8(tensor.to_float())
+        pieces = list(_q8_pieces(tensor, plan))
+        return Q8Packed(torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]), tensor.shape[0])
+    finally:
+        tensor.release()
+
+
+def _norm(tensor: StoredTensor | None, unit_offset: bool = False) -> torch.Tensor:
+    """A norm's float32 factor (1 + w for Gemma's), or an empty tensor for a norm the model does not have."""
+    if tensor is None:
+        return torch.empty(0)
+    values = tensor.to_float().contiguous()
+    tensor.release()
+    return (1.0 + values).contiguous() if unit_offset else values
+
+
+class NativeBackend:
+    name = "native"
+
+    def __init__(self, ops: ModuleType, cfg: Any, tensors: Mapping[str, StoredTensor], max_positions: int) -> None:
+        heads, kv_heads, head_dim = _attn_sizes(cfg)
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, kv_heads, head_dim
+        self.vocab_size = int(cfg.vocab_size)
+        self.block_size = 0
+        self.plan = PackPlan()
+        embed = _q8_matrix(tensors["model.embed_tokens.weight"], self.plan)
+        head = embed if "lm_head.weight" not in tensors else _q8_matrix(tensors["lm_head.weight"], self.plan)
+        self.is_gemma = cfg.model_type in UNIT_OFFSET_NORMS
+        layer_types = list(getattr(cfg, "layer_types", None) or [None] * self.num_layers)
+        # the model's rope tables, and a layer type's own when the config gives it one (Gemma 3's sliding layers)
+        tables = {kind: rope_tables(cfg, head_dim, max_positions, kind) for kind in sorted(set(layer_types), key=str)}
+        cos, sin = tables[layer_types[-1]] if self.is_gemma else rope_tables(cfg, head_dim, max_positions)
+        self.impl = ops.NativeLlama(
+            cfg.hidden_size, cfg.intermediate_size, heads, kv_heads, head_dim, float(cfg.rms_norm_eps),
+            self.vocab_size, embed.qs, embed.scale, head.qs, head.scale,
+            _norm(tensors["model.norm.weight"], self.is_gemma), cos.contiguous(), sin.contiguous(),
+        )  # fmt: skip
+        if self.is_gemma:
+            cap = getattr(cfg, "final_logit_softcapping", None) or 0.0
+            attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5
+            self.impl.set_model_options(float(cfg.hidden_size) ** 0.5, attn_scale, True, float(cap))
+        for i in range(self.num_layers):
+            prefix = f"model.layers.{i}."
+            self._add_layer(tensors, prefix)
+            layer_cos, layer_sin = tables[layer_types[i]] if self.is_gemma else (cos, sin)
+            own = layer_cos is not cos
+            self.impl.set_layer_options(
+                i, _norm(tensors.get(prefix + "self_attn.q_norm.weight"), self.is_gemma),
+                _norm(tensors.get(prefix + "self_attn.k_norm.weight"), self.is_gemma),
+                _norm(tensors.get(prefix + "post_attention_layernorm.weight") if self.is_gemma else None, True),
+                _norm(tensors.get(prefix + "post_feedforward_layernorm.weight"), True),
+                layer_cos.contiguous() if own else torch.empty(0), layer_sin.contiguous() if own else torch.empty(0),
+                layer_window(cfg, i) or 0,
+            )  # fmt: skip
+
+    def _add_layer(self, tensors: Mapping[str, StoredTensor], prefix: str) -> None:
+        def linear(names: list[str]) -> list[torch.Tensor]:
+            parts = [tensors[prefix + n + ".weight"] for n in names]
+            biases = [tensors.get(prefix + n + ".bias") for n in names]
+            if any(b is not None for b in biases) and not all(b is not None for b in biases):
+                raise ValueError(f"{prefix}{names}: some of the fused projections have a bias, not all")
+            p = _q4_linear(parts, biases if biases[0] is not None else None, self.plan)
+            return [p.qs, p.scale, p.minv, p.bias]
+
+        # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention
+        before_mlp = "pre_feedforward_layernorm" if self.is_gemma else "post_attention_layernorm"
+        self.impl.add_layer(
+            _norm(tensors[prefix + "input_layernorm.weight"], self.is_gemma),
+            _norm(tensors[prefix + before_mlp + ".weight"], self.is_gemma),
+            linear(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), linear(["self_attn.o_proj"]),
+            linear(["mlp.gate_proj", "mlp.up_proj"]), linear(["mlp.down_proj"]),
+        )  # fmt: skip
+
+    def bind_kv_caches(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """The runner's per-layer caches, [KVH, num_blocks, block_size, head_dim], float32 or bfloat16."""
+        self.impl.set_kv_caches(k, v)
+        self.block_size = k[0].shape[2]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.impl.logits(hidden.float().contiguous())
+
+    def forward(self, batch: StepBatch) -> StepHidden:
+        """The step's tokens in chunk order. Every token attends to positions 0 .. its own of its sequence, read in
+        place through its block table."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_seq: list[int] = []
+        chunk_rows: list[range] = []
+        tables: list[int] = []  # [chunks, width] flat, each row padded with block 0
+        bs = self.block_size
+        width = max(len(c.block_table) for c in batch.chunks)
+        for i, c in enumerate(batch.chunks):
+            end = c.start_pos + c.num_tokens
+            chunk_rows.append(range(len(input_ids), len(input_ids) + c.num_tokens))
+            input_ids += c.token_ids
+            positions += range(c.start_pos, end)
+            slots += [c.block_table[p // bs] * bs + p % bs for p in range(c.start_pos, end)]
+            row_seq += [i] * c.num_tokens
+            tables += c.block_table
+            tables += [0] * (width - len(c.block_table))
+        hidden = self.run_tokens(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(row_seq, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32).view(len(batch.chunks), width),
+        )
+        return StepHidden(hidden, chunk_rows)
+
+    def run_tokens(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        slots: torch.Tensor,  # [T] int64 cache slot of each token's K/V
+        row_seq: torch.Tensor,  # [T] int32 row of block_tables of each token's sequence
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+    ) -> torch.Tensor:
+        """[T, hidden] float32 hidden states before the final norm (the C++ step, for tests and benches)."""
+        return self.impl.forward(input_ids, positions, slots, row_seq, block_tables)
