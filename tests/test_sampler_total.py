@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from engine.batch import SamplingRow
 from engine.errors import InvalidRequest
 from engine.sampler import Sampler
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams
 
 VOCAB = 300
 # Each example is a handful of rows over a small vocabulary: seconds would mean a loop that did not end.
@@ -49,7 +49,7 @@ def floats_in(low: float, high: float, exclude_low: bool = False) -> st.SearchSt
 
 sampling_params = st.builds(
     SamplingParams,
-    temperature=floats_in(0.0, 1e300),
+    temperature=floats_in(0.0, MAX_TEMPERATURE),
     top_k=st.one_of(st.sampled_from([-1, 0, 1, 2, VOCAB - 1, VOCAB, VOCAB + 1, 2**62]), st.integers(-1, 10**6)),
     top_p=floats_in(0.0, 1.0, exclude_low=True),
     min_p=floats_in(0.0, 1.0),
@@ -68,7 +68,7 @@ sampling_params = st.builds(
 
 logit_rows = st.one_of(
     st.just("normal"),
-    st.just("huge"),  # near float32's largest: the temperature division overflows
+    st.just("huge"),  # near float32's largest: a tiny temperature makes the division overflow
     st.just("spiky"),
     st.just("all_equal"),
     st.just("with_neg_inf"),
@@ -145,7 +145,7 @@ def test_every_accepted_parameter_set_yields_a_token_per_row(rows, dtype, seed) 
 
 @TOTAL
 @given(
-    temperature=floats_in(0.0, 1e300),
+    temperature=floats_in(0.0, MAX_TEMPERATURE),
     top_p=floats_in(0.0, 1.0, exclude_low=True),
     repetition_penalty=floats_in(0.0, 1e300, exclude_low=True),
 )
