@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server (and llama-bench) from the llama.cpp vendored in the
 # llama-cpp-python==0.3.36 source distribution, into DIR (outside the repository; never commit it).
-#   bench/build_llama_server.sh /work/peers
+#   bench/build_llama_server.sh /work/peers            (PEER_ISA=avx2 ...: the AVX2 path, binaries suffixed -avx2)
 # leaves DIR/llama-server, DIR/llama-bench and DIR/llama-perplexity. Needs cmake and g++; PIP defaults to
 # python3 -m pip.
 # Not part of `make test`.
@@ -34,6 +34,8 @@ if [ ! -d "$llama_dir" ]; then
 fi
 
 cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+# PEER_ISA=avx2 builds the AVX2 path on an AVX-512 CPU too (to compare with SLUICE_ISA=avx2 on one machine)
+if [ "${PEER_ISA:-native}" = avx2 ]; then cpu_flags=$(echo "$cpu_flags" | sed -E 's/ avx512[a-z0-9_]*//g'); cpu_flags=" $cpu_flags "; fi
 has() { case "$cpu_flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 isa_options=(
     -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"
@@ -43,7 +45,7 @@ isa_options=(
 )
 echo "instruction sets: ${isa_options[*]}"
 
-build_dir="$src_root/build"
+build_dir="$src_root/build${PEER_ISA:+-$PEER_ISA}"
 cmake -S "$llama_dir" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
@@ -54,6 +56,7 @@ cmake -S "$llama_dir" -B "$build_dir" -G Ninja \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 cmake --build "$build_dir" --target llama-server llama-bench llama-perplexity -j "$jobs"
 
-cp "$build_dir/bin/llama-server" "$build_dir/bin/llama-bench" "$build_dir/bin/llama-perplexity" "$out_dir/"
-"$out_dir/llama-server" --version 2>&1 | tail -n 2
-echo "built $out_dir/llama-server, $out_dir/llama-bench and $out_dir/llama-perplexity"
+suffix=${PEER_ISA:+-$PEER_ISA}
+for tool in llama-server llama-bench llama-perplexity; do cp "$build_dir/bin/$tool" "$out_dir/$tool$suffix"; done
+"$out_dir/llama-server$suffix" --version 2>&1 | tail -n 2
+echo "built $out_dir/llama-server$suffix, $out_dir/llama-bench$suffix and $out_dir/llama-perplexity$suffix"
