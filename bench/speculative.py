@@ -3,10 +3,12 @@ llama.cpp's llama-server, on the same chats, greedy, streamed.
 
     python -m bench.speculative [--llama-server PATH] [--modes off,auto] [--open-streams 1,8,32]
                                 [--grounded-requests 2] [--max-tokens 256] [--open-max-tokens 64]
+                                [--open-rounds 3]
 
 Workloads: input-grounded (bench/grounded_texts.py: quote, rewrite, copy-and-list, summarise a 300-600-token
 text; one stream, --grounded-requests one after the other) and open-ended chat (ignore_eos, --open-max-tokens
-each, at every --open-streams level: that many concurrent streams, one request each). Reported per server and
+each, at every --open-streams level: that many concurrent streams, --open-rounds requests each, so that a level
+lasts long enough to tell a few percent). Reported per server and
 level: decode tok/s per stream (tokens after the first over the time from the first to the last, the median of
 the requests) and output tok/s in all (every output token over the level's wall time); then the ratios against
 Sluice without speculation and against llama-server, measured in this run. Sluice's speculation counters come
@@ -87,7 +89,7 @@ async def measure(target: Target, args) -> dict[str, dict[str, float]]:
             levels["grounded 1"]["tokens_per_verify"] = (after["emitted_tokens"] - before["emitted_tokens"]) / steps
     print(f"bench: {target.name} grounded: {levels['grounded 1']}", file=sys.stderr)
     for n in args.open_streams:
-        prompts = [OPEN_ENDED[i % len(OPEN_ENDED)] for i in range(n)]
+        prompts = [OPEN_ENDED[i % len(OPEN_ENDED)] for i in range(n * args.open_rounds)]
         levels[f"open {n}"] = await run_level(target, prompts, n, args.open_max_tokens, True)
         print(f"bench: {target.name} {n} streams: {levels[f'open {n}']}", file=sys.stderr)
     return levels
@@ -108,7 +110,7 @@ async def main_async(args) -> None:
         with ExitStack() as stack:
             port = servers.free_port()
             target = Target("llama-server", f"http://127.0.0.1:{port}/v1", flavor="llama")
-            parallel = max(args.open_streams)
+            parallel = max(args.open_streams, default=1)
             command = llama_peer.llama_command(binary, llama_peer.resolve_gguf(None, args.model), port, parallel)
             await servers.start_ready(target.name, command, target, log_dir, stack)
             results[target.name] = await measure(target, args)
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--grounded-requests", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--open-max-tokens", type=int, default=64)
+    parser.add_argument("--open-rounds", type=int, default=3, help="requests per stream at each open level")
     parser.add_argument("--log-dir", default="/tmp/sluice-bench-speculative")
     args = parser.parse_args()
     args.modes = args.modes.split(",")

@@ -28,7 +28,7 @@ class EngineConfig:
     num_threads: int = 0  # 0 = torch's default
     quantize: str = "auto"  # "auto" | "none": the native step / weight-only quantised kernels, or dense only
     speculative: str = "off"  # "auto" | "on" | "off": draft-free speculative decoding (engine/speculative/)
-    speculative_k: int = 5  # most draft tokens verified per sequence per step
+    speculative_k: int = 8  # most draft tokens verified per sequence per step
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_recent_tokens: int = 65536  # bound of the index over recent outputs

@@ -255,7 +255,7 @@ def test_auto_drafts_only_where_rows_are_cheap_for_the_step_and_acceptance():
     assert model.break_even(32, 32) > 0.7  # at 32 rows a row must pay nearly a whole token
 
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 4
-    cheap = Speculator(SpeculativeConfig(mode="auto"), 4096)
+    cheap = Speculator(SpeculativeConfig(mode="auto", num_drafts=5), 4096)
     for rows in (1, 6, 1, 6):
         cheap.on_step(rows, 0.010 + 0.001 * rows)
     seq = _Seq(tokens)

@@ -32,7 +32,7 @@ PROBE_INTERVAL = 32  # steps without drafts before a sequence tries one (at most
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     mode: str = "off"
-    num_drafts: int = 5  # k: most tokens guessed per sequence per step
+    num_drafts: int = 8  # k: most tokens guessed per sequence per step
     min_ngram: int = 2
     max_ngram: int = 4
     recent_tokens: int = 65536  # the bound of the index over recent outputs
