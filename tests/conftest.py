@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine_helpers import assert_pool_full, make_llm  # noqa: E402
-from tiny_models import save_tiny_gemma3, save_tiny_gpt2, save_tiny_llama, save_tiny_qwen3  # noqa: E402
+from tests.support.engine_helpers import assert_pool_full, make_llm
+from tests.support.tiny_models import save_tiny_gemma3, save_tiny_gpt2, save_tiny_llama, save_tiny_qwen3
 
 
 @pytest.fixture(scope="session")

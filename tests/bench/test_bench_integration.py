@@ -1,0 +1,66 @@
+"""`python -m bench` end to end against a real Sluice server on the tiny local model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.servers import REPO_ROOT
+
+from tests.support.sluice_process import running_sluice
+
+
+@pytest.fixture(scope="module")
+def sluice_url(tiny_llama_dir: Path, tmp_path_factory):
+    # A small admission queue, so that the burst below may see 429s (they must be counted, not lost).
+    log = tmp_path_factory.mktemp("sluice") / "server.log"
+    with running_sluice(tiny_llama_dir, log, "--max-pending", "4") as (url, _):
+        yield url
+
+
+def run_bench(args: list[str], out: Path) -> dict:
+    command = [sys.executable, "-m", "bench", "--no-progress", "--json", str(out), *args]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TTFT ms" in done.stdout
+    return json.loads(out.read_text())
+
+
+def check_accounting(level: dict, sent: int, max_tokens: int) -> None:
+    assert level["sent"] == sent
+    assert level["completed"] + level["rejected_429"] + level["errors"] == sent
+    assert level["errors"] == 0, level["error_samples"]
+    assert level["usage_reported"]
+    assert level["completion_tokens"] == max_tokens * level["completed"]  # ignore_eos: exactly max_tokens each
+    ok = [r for r in level["requests"] if r["status"] == 200]
+    assert len(ok) == level["completed"]
+    assert level["prompt_tokens"] == sum(r["prompt_tokens"] for r in ok) > 0
+    assert all(r["finish_reason"] == "length" and r["ttft"] is not None for r in ok)
+    assert level["ttft_s"]["n"] == level["completed"]
+
+
+def test_closed_loop_sweep_on_both_endpoints(sluice_url: str, tmp_path: Path) -> None:
+    for endpoint in ("chat", "completions"):
+        data = run_bench(["--url", sluice_url, "--endpoint", endpoint, "--sweep", "1,3", "--num-requests", "6",
+                          "--prompt-tokens", "uniform:4:24", "--output-tokens", "8", "--warmup", "1"],
+                         tmp_path / f"{endpoint}.json")
+        assert [(lv["mode"], lv["level"]) for lv in data["levels"]] == [("closed", 1), ("closed", 3)]
+        for level in data["levels"]:
+            check_accounting(level, 6, 8)
+            assert level["rejected_429"] == 0  # at most 3 in flight, 4 may wait
+            assert level["itl_s"]["n"] > 0
+        assert data["config"]["targets"][0]["model"]  # discovered from /v1/models
+
+
+def test_burst_counts_every_request(sluice_url: str, tmp_path: Path) -> None:
+    data = run_bench(["--url", sluice_url, "--burst", "24", "--output-tokens", "6", "--prompt-tokens", "16",
+                      "--warmup", "0"], tmp_path / "burst.json")
+    (level,) = data["levels"]
+    check_accounting(level, 24, 6)
+    assert level["admission_s"]["n"] == 24
+    assert all(r["status"] in (200, 429) for r in level["requests"])

@@ -1,0 +1,98 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import IncrementalDetokenizer
+
+from tests.support.tiny_models import build_tokenizer
+
+TEXTS = ["日本語のテキスト", "Emoji: 😀 🚀 👍🏽 ❤️!", "café naïve Zürich", "中文文本和한국어 텍스트.", "plain ascii words"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def stream(tokenizer, text, stop=(), include=False, prompt="Hello"):
+    prompt_ids = tokenizer.encode(prompt)
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, prompt_ids, list(stop), include, True)
+    deltas, matched = [], None
+    for token_id in tokenizer.encode(text):
+        delta, matched = detok.step(token_id)
+        deltas.append(delta)
+        if matched:
+            break
+    if not matched:
+        deltas.append(detok.flush())
+    return deltas, matched, detok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_are_whole_characters_and_concatenate_to_the_text(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # the tiny BPE splits these characters across tokens
+    deltas, _, detok = stream(tokenizer, text)
+    assert all("\ufffd" not in d for d in deltas)
+    for d in deltas:
+        d.encode("utf-8")  # no lone surrogates
+    assert "".join(deltas) == text == detok.text
+
+
+def test_a_split_character_is_held_until_complete(tokenizer):
+    assert len(tokenizer.encode("😀")) > 1
+    deltas, _, _ = stream(tokenizer, "😀")
+    assert all(d in ("", "😀") for d in deltas) and "".join(deltas) == "😀"
+
+
+@pytest.mark.parametrize("stop", ["brown fox", "x j", "日本", "🚀"])
+def test_stop_string_spanning_tokens_never_leaks(tokenizer, stop):
+    text = "The quick brown fox jumps 日本語 🚀 done"
+    text = text if stop in text else text + stop
+    deltas, matched, detok = stream(tokenizer, text + " tail", stop=[stop])
+    assert matched == stop
+    assert "".join(deltas) == text[: text.index(stop)]
+    for i in range(len(deltas)):
+        assert stop not in "".join(deltas[: i + 1])
+
+
+def test_include_stop_str_in_output(tokenizer):
+    deltas, matched, _ = stream(tokenizer, "say hello world now", stop=["world"], include=True)
+    assert matched == "world" and "".join(deltas) == "say hello world"
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    deltas, matched, _ = stream(tokenizer, "one two three", stop=["three", "two"])
+    assert matched == "two" and "".join(deltas) == "one "
+
+
+def test_partial_stop_match_is_released_when_it_cannot_match(tokenizer):
+    deltas, matched, _ = stream(tokenizer, "the fox jumps", stop=["fox!"])
+    assert matched is None and "".join(deltas) == "the fox jumps"
+
+
+def test_a_character_cut_off_at_the_end_is_dropped(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, [], [], False, True)
+    assert detok.step(tokenizer.encode("o")[0]) == ("o", None)
+    first_byte_of_emoji = tokenizer.encode("😀")[0]
+    assert detok.step(first_byte_of_emoji) == ("", None)
+    assert detok.flush() == "" and detok.text == "o"
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """The definition, spelt out: every suffix length against every stop string."""
+    return max(
+        (n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+        default=0,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="ab日😀 ", max_size=40),
+    stops=st.lists(st.text(alphabet="ab日😀 ", min_size=1, max_size=12), min_size=1, max_size=4),
+)
+def test_held_back_tail_is_the_longest_possible_stop_start(text, stops):
+    detok = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+    detok._stop = stops
+    assert detok._num_possible_stop_start(text) == _longest_stop_prefix_suffix(text, stops)

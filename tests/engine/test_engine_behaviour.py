@@ -1,0 +1,253 @@
+"""The step API and the offline API: sampling, UTF-8, stop strings, aborts, bad input, block accounting."""
+
+import re
+
+import pytest
+
+from engine import SamplingParams
+from engine.errors import InvalidRequest
+
+from tests.support.engine_helpers import assert_pool_full, make_llm
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=16, temperature=1.2, ignore_eos=True)
+    alone = llm.generate(["The quick brown fox"], seeded, use_tqdm=False)[0].token_ids
+    batch = llm.generate(
+        ["Hello world", "The quick brown fox", "def add(a, b):"] * 2, [other, seeded, other] * 2, use_tqdm=False
+    )
+    assert batch[1].token_ids == alone and batch[4].token_ids == alone
+    different = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert llm.generate(["The quick brown fox"], different, use_tqdm=False)[0].token_ids != alone
+
+
+def test_step_api_emits_one_delta_per_request_per_step_and_one_final(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.add_request("a", "Hello world", params)
+    engine.add_request("b", "The quick brown fox jumps", params)
+    finals, tokens = {}, {"a": [], "b": []}
+    while engine.has_unfinished_requests:
+        outputs = engine.step()
+        assert len({o.request_id for o in outputs}) == len(outputs)
+        for o in outputs:
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                assert o.request_id not in finals
+                finals[o.request_id] = o
+    assert set(finals) == {"a", "b"} and all(f.finish_reason == "length" for f in finals.values())
+    assert tokens["a"] and len(tokens["a"]) == 5 and finals["a"].num_output_tokens == 5
+
+
+def test_abort_waiting_prefilling_and_decoding_frees_blocks(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("decoding", "Hello world", params)
+    engine.step()
+    engine.step()
+    engine.add_request("waiting", "The quick brown fox", params)
+    (out,) = engine.abort("waiting")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.abort("waiting") == []  # idempotent
+    (out,) = engine.abort("decoding")
+    assert out.finish_reason == "abort" and engine.abort("decoding") == []
+    assert engine.step() == []
+    assert_pool_full(llm)
+
+
+def test_abort_is_refused_during_a_forward_pass(llm):
+    """The forward pass reads the step's blocks: aborts wait for the step boundary (the async shell queues them)."""
+    engine = llm.engine
+    engine.add_request("x", "Hello world", SamplingParams(max_tokens=3, ignore_eos=True))
+    plan = engine.schedule_step()
+    with pytest.raises(RuntimeError, match="between steps"):
+        engine.abort("x")
+    engine.finish_step(plan, engine.execute(plan))
+    assert engine.abort("x")[0].finish_reason == "abort"
+
+
+def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm, caplog):
+    engine = llm.engine
+    engine.add_request("f", "Hello world", SamplingParams(max_tokens=4))
+    plan = engine.schedule_step()
+    outputs = engine.fail_step(plan, RuntimeError("boom at /secret/path"))
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("f", "error")]
+    assert "boom" not in outputs[0].error and "/secret" not in outputs[0].error  # the client learns no internals
+    assert "boom at /secret/path" in caplog.text  # the log does
+    out = llm.generate(["still serving"], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3
+
+
+def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("bad", "Hello world", SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("good", "The quick brown fox", SamplingParams(max_tokens=6, ignore_eos=True))
+    (bad_seq,) = engine.requests["bad"]
+
+    def explode(token_id, can_stop=True):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    monkeypatch.setattr(bad_seq.detokenizer, "step", explode)
+    finals = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].finish_reason == "error" and "injected" not in finals["bad"].error
+    assert finals["good"].finish_reason == "length" and finals["good"].num_output_tokens == 6
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "non-empty"),
+        ([1, 2, 10**6], SamplingParams(), "outside the vocabulary"),
+        ([1, -3], SamplingParams(), "outside the vocabulary"),
+        ("x " * 600, SamplingParams(max_tokens=4), "max_model_len"),
+        ("hello", SamplingParams(max_tokens=600), "max_tokens (600)"),
+        ("hello", SamplingParams(max_tokens=None, min_tokens=100_000), "min_tokens (100000)"),
+        ("x" * 10**6, SamplingParams(max_tokens=4), "characters"),  # rejected before tokenization
+        (list(range(10**6)), SamplingParams(max_tokens=4), "max_model_len"),
+        ("hello", SamplingParams(stop_token_ids=[10**6]), "stop token id"),
+    ],
+)
+def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message):
+    engine = llm.engine
+    engine.add_request("bystander", "Hello world", SamplingParams(max_tokens=6, ignore_eos=True))
+    before = (engine.num_waiting, engine.num_running, engine.num_free_blocks)
+    try:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.add_request("bad", prompt, params)
+        assert (engine.num_waiting, engine.num_running, engine.num_free_blocks) == before
+        assert "bad" not in engine.requests
+    finally:
+        while engine.has_unfinished_requests:
+            engine.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"temperature": -0.5},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"min_p": 2},
+        {"logprobs": 21},
+        {"stop": [""]},
+        {"max_tokens": 2, "min_tokens": 3},
+        {"temperature": float("inf")},
+        {"top_p": float("nan")},
+        {"repetition_penalty": float("inf")},
+        {"presence_penalty": float("nan")},
+        {"stop": ["x"] * 17},
+        {"stop": ["x" * 257]},
+        {"stop_token_ids": list(range(257))},
+    ],
+)
+def test_bad_sampling_params_raise_value_error_naming_the_parameter(kwargs):
+    with pytest.raises(InvalidRequest) as raised:
+        SamplingParams(**kwargs)
+    assert isinstance(raised.value, ValueError) and raised.value.param == list(kwargs)[-1]
+
+
+def test_unknown_model_path_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="nonexistent"):
+        make_llm(tmp_path / "nonexistent")
+
+
+def test_duplicate_request_id(llm):
+    llm.engine.add_request("dup", "Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already"):
+        llm.engine.add_request("dup", "Hello", SamplingParams(max_tokens=2))
+    llm.engine.abort("dup")
+
+
+def test_min_tokens_and_stop_token_ids(llm):
+    eos = next(iter(llm.engine.eos_token_ids))
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, min_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert len(out.token_ids) == 8 and eos not in out.token_ids
+    first = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    stop_id = first.token_ids[3]
+    cut = llm.generate(
+        ["Hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0]
+    assert cut.token_ids == first.token_ids[: first.token_ids.index(stop_id) + 1]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop_id
+
+
+def test_logprobs_are_returned_per_token(llm):
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, logprobs=3), use_tqdm=False)[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token_id, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token_id and lp.logprob <= 0 and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0][0] == token_id  # greedy picks the most likely token
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    expected = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert llm.tokenizer.decode(out.prompt_token_ids) == expected
+    with pytest.raises(ValueError):
+        llm.chat([{"role": "user"}], SamplingParams(max_tokens=3), use_tqdm=False)
+
+
+# ---- the real default model: UTF-8 and stop strings on real text -----------------------------------------
+
+
+def run_deltas(engine, request_id, prompt, params):
+    engine.add_request(request_id, prompt, params)
+    deltas, ids, final = [], [], None
+    while engine.has_unfinished_requests:
+        for o in engine.step():
+            deltas.append(o.text_delta)
+            ids += o.new_token_ids
+            if o.finished:
+                final = o
+    return deltas, ids, final
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "请用中文介绍一下你自己。",
+        "Reply with three emoji that describe the ocean, like 🌊🐠🐚, and nothing else.",
+        "日本語で「こんにちは」と言ってください。",
+    ],
+)
+def test_utf8_deltas_are_well_formed_and_concatenate(default_llm, messages):
+    engine = default_llm.engine
+    prompt = engine.input_processor.encode_chat([{"role": "user", "content": messages}])
+    params = SamplingParams(max_tokens=40, temperature=0)
+    deltas, ids, final = run_deltas(engine, "utf8", prompt, params)
+    for d in deltas:
+        d.encode("utf-8")
+        assert "\ufffd" not in d
+    text = "".join(deltas)
+    # A character that max_tokens cut off is dropped; a full decode would show it as U+FFFD.
+    assert text == default_llm.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert final.finish_reason in ("stop", "length")
+
+
+def test_stop_string_spanning_tokens_never_leaks_on_the_real_model(default_llm):
+    engine = default_llm.engine
+    prompt = engine.input_processor.encode_chat([{"role": "user", "content": "Tell me a short story about a dragon."}])
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    deltas, ids, _ = run_deltas(engine, "full", prompt, greedy)
+    text = "".join(deltas)
+    # A stop string that starts inside one token and ends inside a later one.
+    pieces = [default_llm.tokenizer.decode(ids[: i + 1], skip_special_tokens=True) for i in range(len(ids))]
+    k = next(i for i in range(3, len(pieces)) if len(pieces[i]) - len(pieces[i - 1]) >= 3)
+    start = len(pieces[k - 1]) - 2
+    stop = text[start : len(pieces[k]) + 2]
+    assert stop and text.find(stop) == start
+    params = SamplingParams(max_tokens=40, temperature=0, stop=[stop])
+    deltas, _, final = run_deltas(engine, "stopped", prompt, params)
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert "".join(deltas) == text[:start]
+    assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))

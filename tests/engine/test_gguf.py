@@ -1,0 +1,133 @@
+"""GGUF files read in place: each quant type's grid against the gguf package's own dequantize, our model on a
+GGUF against transformers' reading of the same file, the native step on the file's grids, what the log says runs
+each type, and clear errors for files Sluice cannot run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize
+from bench.synthetic_gguf import random_blocks, write_llama_gguf
+
+from engine import LLM, SamplingParams
+from engine.batch import SeqChunk, StepBatch
+from engine.checkpoint.block_grids import UNPACKERS, grid_of
+from engine.checkpoint.source import open_checkpoint
+from engine.checkpoint.stored_tensor import StoredTensor
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.native import native_ops
+
+from tests.support.engine_helpers import hf_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("type_name", sorted(UNPACKERS))
+def test_each_grid_is_the_files_own_weights(type_name: str) -> None:
+    rng = np.random.default_rng(0)
+    n, k = 24, 512
+    raw = random_blocks(rng, type_name, n, k)
+    grid = grid_of(StoredTensor((n, k), type_name, lambda: raw))
+    expected = dequantize(raw, GGMLQuantizationType[type_name])
+    assert np.array_equal(grid.dequantize(), expected)  # equal values (Q4_0 / Q5_0 may differ in the sign of 0)
+    assert grid.q.shape == (n, k) and grid.scale.dtype == np.float32
+    assert grid.q.min() >= (-32 if type_name == "Q6_K" else -128 if type_name == "Q8_0" else 0)
+
+
+# the types transformers can dequantise too (it has no Q5_0 / Q5_1), so that it can be the reference
+MIXED = {"layers": "Q4_K", "attn_v": "Q6_K", "ffn_up": "Q5_K", "attn_q": "Q4_0", "attn_k": "Q4_1",
+         "token_embd": "Q8_0", "output": "Q6_K"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> Path:
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", MIXED)
+
+
+@pytest.fixture(scope="module")
+def legacy_gguf(tmp_path_factory) -> Path:
+    """Q4_0 / Q4_1 layers and a Q8_0 embedding, tied: every tensor on a grid the native kernels hold exactly."""
+    types = {"layers": "Q4_1", "attn_q": "Q4_0", "ffn_down": "Q4_0", "token_embd": "Q8_0"}
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "legacy.gguf", types, tied=True, seed=1)
+
+
+def full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of one prompt through the engine's backend (block size 4)."""
+    backend = llm.engine.runner.backend
+    step = backend.forward(StepBatch([SeqChunk(0, ids, 0, list(range(len(ids) // 4 + 1)), None)]))
+    return backend.compute_logits(step.hidden)
+
+
+def test_eager_model_on_a_gguf_matches_transformers_reading_of_the_same_file(mixed_gguf: Path) -> None:
+    llm = LLM(str(mixed_gguf), dtype="float32", quantize="none", block_size=4, num_kv_blocks=64)
+    assert llm.engine.runner.backend.name == "eager"
+    ids = list(range(100, 160))
+    with torch.inference_mode():
+        ours = full_logits(llm, ids)
+        theirs = hf_model(str(mixed_gguf))(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the native step is not built (make install builds it)")
+def test_native_step_runs_a_gguf_on_its_own_grids(legacy_gguf: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        llm = LLM(str(legacy_gguf), block_size=4, num_kv_blocks=128, max_num_seqs=4)
+    assert llm.engine.runner.backend.name == "native"
+    assert "architecture llama" in caplog.text and "Q4_0" in caplog.text and "Q8_0" in caplog.text
+    assert "own grid" in caplog.text and "re-quantised" not in caplog.text
+    prompts = [[5, 17, 300, 42], list(range(200, 230)), [7] * 9]
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert alone == together
+    # the file's values through the float32 eager reference: the native logits stay within int16 rounding
+    reference = LLM(str(legacy_gguf), dtype="float32", quantize="none", block_size=4, num_kv_blocks=64)
+    with torch.inference_mode():
+        ours, expected = full_logits(llm, prompts[1]), full_logits(reference, prompts[1])
+    assert (ours - expected).abs().max() < 2e-2 * expected.abs().max()
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the native step is not built (make install builds it)")
+def test_the_log_names_each_type_and_how_it_runs(mixed_gguf: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        loaded = load_model(EngineConfig(model=str(mixed_gguf), num_kv_blocks=16))
+    assert loaded.backend.name == "native"
+    for type_name in ("Q4_K", "Q5_K", "Q6_K"):
+        assert any(type_name in r.getMessage() and "re-quantised" in r.getMessage() for r in caplog.records)
+    assert any("Q8_0" in r.getMessage() and "own grid" in r.getMessage() for r in caplog.records)
+
+
+def test_q5_files_load_and_run(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "q5.gguf", {"layers": "Q5_1", "attn_v": "Q5_0", "token_embd": "Q5_0"})
+    llm = LLM(str(path), block_size=4, num_kv_blocks=32)
+    assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == GREEDY.max_tokens
+
+
+def test_the_config_comes_from_the_metadata(mixed_gguf: Path) -> None:
+    checkpoint = open_checkpoint(str(mixed_gguf))
+    cfg = checkpoint.hf_config
+    assert (cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == ("llama", 256, 512, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (4, 2, False)
+    assert checkpoint.tensors["model.layers.1.mlp.down_proj.weight"].type_name == "Q4_K"
+    assert checkpoint.tokenizer().chat_template
+
+
+def test_files_sluice_cannot_run_get_errors_that_name_why(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(EngineConfig(model=str(junk)))
+    falcon = tmp_path / "falcon.gguf"
+    writer = GGUFWriter(str(falcon), "falcon")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="falcon"):
+        load_model(EngineConfig(model=str(falcon)))

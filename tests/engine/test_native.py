@@ -1,0 +1,393 @@
+"""The native step (engine/native): kernels against float references, the whole step against transformers,
+greedy output independent of batch composition, and the eager fallback.
+
+Tolerances: the native step computes from the weights' own Q4_1 / Q8_0 grids, with the layers' activations
+rounded to int16 per group of 32 (exact integer dot products) and float32 elsewhere. On a model whose weights
+lie on those grids (the GGUF default model; grid_llama_dir here) its logits stay within 1e-3 of the largest
+logit of the float32 reference with a float32 KV cache, 2e-2 with a bfloat16 one (the default dtype)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+import engine.native as engine_native
+from engine.loader import load_model
+from engine.native import native_ops
+from engine.native.packing import dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference, q8_reference
+
+from tests.support.engine_helpers import hf_greedy
+from tests.support.runner_parity import BLOCK_SIZE, ParityRun, RecordingSampler
+from tests.support.tiny_models import GEMMA3_WINDOW, save_tiny_gemma3, save_tiny_llama, save_tiny_qwen3
+
+ops = native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the native step is not built (make install builds it)")
+ISAS = ["avx512", "avx2", "base"]
+
+
+def available_isas() -> list[str]:
+    found = []
+    for isa in ISAS:
+        try:
+            ops.set_isa(isa)
+            found.append(isa)
+        except RuntimeError:
+            pass
+    ops.set_isa("best")
+    return found
+
+
+def on_native_grids(path: Path) -> Path:
+    """Move a saved model's matrices onto the native grids (as a GGUF's weights are): Q4_1 for the layers'
+    linears, Q8_0 for the embedding and lm_head."""
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name, t in tensors.items():
+        if t.dim() != 2:
+            continue
+        tensors[name] = (dequantize_q8(t) if "embed" in name or "lm_head" in name else dequantize_q4(t)).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def grid_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama on the native grids. Hidden size 128 so that the head dim (32) and every K are whole
+    groups."""
+    return on_native_grids(save_tiny_llama(tmp_path_factory.mktemp("grid_llama"), hidden_size=128, intermediate_size=256))
+
+
+# the Llama family's variants the native step runs through options: tiny random models on the native grids
+GRID_ARCHS = {"qwen3": save_tiny_qwen3, "gemma3": save_tiny_gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(GRID_ARCHS))
+def grid_variant_dir(request, tmp_path_factory) -> Path:
+    return on_native_grids(GRID_ARCHS[request.param](tmp_path_factory.mktemp(f"grid_{request.param}")))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: str) -> None:
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    ops.set_isa(isa)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for n, k in [(64, 32), (100, 64), (576, 576), (200, 1536)]:
+            w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            q4, q8 = pack_q4(w, b), pack_q8(w)
+            for m in (1, 7, 8, 33):
+                x = torch.randn(m, k, generator=gen)
+                y = ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n)
+                # int8 activations: exact integer dot products, float32 scaling
+                torch.testing.assert_close(y.double(), q4_reference(x, w) + b.double(), atol=2e-4, rtol=1e-5)
+                # and within int16 rounding of the float product (measured: under 1e-4 of the largest output)
+                exact = x.double() @ dequantize_q4(w).double().T + b.double()
+                assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
+                # each row alone gives the same bits as in any batch (the batch-invariance invariant)
+                alone = torch.cat([ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n) for i in range(m)])
+                assert torch.equal(alone, y)
+                y8 = ops.q8_linear(x, q8.qs, q8.scale, n)
+                torch.testing.assert_close(y8.double(), q8_reference(x, w), atol=2e-4, rtol=1e-5)
+                exact8 = x.double() @ dequantize_q8(w).double().T
+                assert (y8.double() - exact8).abs().max() < 1e-3 * exact8.abs().max()
+                assert torch.equal(torch.cat([ops.q8_linear(x[i : i + 1], q8.qs, q8.scale, n) for i in range(m)]), y8)
+    finally:
+        ops.set_isa("best")
+
+
+def test_quantisers_reproduce_a_grid_exactly() -> None:
+    w = torch.randn(48, 96)
+    on_q4, on_q8 = dequantize_q4(w), dequantize_q8(w)
+    assert torch.equal(dequantize_q4(on_q4), on_q4)
+    torch.testing.assert_close(dequantize_q8(on_q8), on_q8, atol=0, rtol=2e-7)
+
+
+@pytest.mark.parametrize("cache_dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+def test_native_step_matches_transformers_through_chunks_prefix_hits_and_decodes(
+    grid_llama_dir: Path, cache_dtype: torch.dtype, tolerance: float
+) -> None:
+    assert_native_parity(grid_llama_dir, cache_dtype, tolerance)  # measured: 3e-4 (float32 cache), 9e-3 (bf16)
+
+
+@pytest.mark.parametrize("cache_dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+def test_native_step_runs_qwen3_and_gemma3_like_transformers(
+    grid_variant_dir: Path, cache_dtype: torch.dtype, tolerance: float
+) -> None:
+    """Qwen 3's q/k norms; Gemma 3's sandwich norms, GeGLU, scales, sliding layers (window 8: every sequence here
+    outgrows it) and global ones with their own rope: the same scenario as the Llama's, against transformers."""
+    assert_native_parity(grid_variant_dir, cache_dtype, tolerance)
+
+
+def assert_native_parity(model_dir: Path, cache_dtype: torch.dtype, tolerance: float) -> None:
+    """Chunked prefills with a prefix hit, then decodes, on shuffled blocks: every logits row of the native step
+    within tolerance (of the largest logit) of transformers' float32 forward over the same prefix."""
+    config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=96)
+    sampler = RecordingSampler()
+    runner = ModelRunner(load_model(config), config, sampler=sampler)
+    assert runner.backend.name == "native"
+    if cache_dtype != runner.dtype:  # the kernels read either; the engine allocates its dtype's (bfloat16)
+        runner.k_caches = [k.to(cache_dtype) for k in runner.k_caches]
+        runner.v_caches = [v.to(cache_dtype) for v in runner.v_caches]
+        runner.backend.bind_kv_caches(runner.k_caches, runner.v_caches)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    run = ParityRun(runner, sampler)
+    a, b, c, d = run.prefill_in_chunks_with_a_prefix_hit()
+    for _ in range(6):
+        run.step([(s, 1) for s in (a, b, c, d)])
+    for _ in range(3):
+        run.step([(s, 1) for s in (d, a)])
+    for recorded, expected in run.recorded_and_expected(reference):
+        assert (recorded - expected).abs().max() < tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_sliding_layers_never_read_keys_before_their_window(tmp_path: Path, native: bool, monkeypatch) -> None:
+    """A Gemma 3 of sliding layers only: after a prompt, every cache block wholly before the next token's window is
+    filled with NaN (a read of any of it would poison the output); the decode gives the same logits as without."""
+    if not native:
+        monkeypatch.setenv("SLUICE_NATIVE", "0")
+        native_ops.cache_clear()
+    try:
+        model_dir = on_native_grids(save_tiny_gemma3(tmp_path, layer_types=["sliding_attention"] * 2, num_hidden_layers=2))
+        precision = {} if native else {"dtype": "float32", "quantize": "none"}
+        config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=32, **precision)
+        runs = []
+        for poison in (False, True):
+            sampler = RecordingSampler()
+            runner = ModelRunner(load_model(config), config, sampler=sampler)
+            assert (runner.backend.name == "native") == native
+            run = ParityRun(runner, sampler)
+            seq = run.new_seq(0, run.random_tokens(29))
+            run.step([(seq, 99)])
+            first_in_window = seq.num_computed - GEMMA3_WINDOW + 1  # the decode sits at position num_computed
+            for block in seq.blocks[: first_in_window // BLOCK_SIZE]:
+                if poison:
+                    for k, v in zip(runner.k_caches, runner.v_caches):
+                        k[:, block], v[:, block] = float("nan"), float("nan")
+            run.step([(seq, 1)])
+            run.step([(seq, 1)])
+            runs.append(sampler.rows)
+        assert first_in_window // BLOCK_SIZE >= 4
+        for clean, poisoned in zip(*runs):
+            assert torch.equal(clean, poisoned)
+    finally:
+        monkeypatch.delenv("SLUICE_NATIVE", raising=False)
+        native_ops.cache_clear()
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def greedy_runs(make, prompts: list[list[int]]) -> list[list[list[int]]]:
+    """The same greedy requests alone, all in one batch, again (prefix-cache hits), and with chunked prefill."""
+    llm = make()
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    hits_before = llm.engine.prefix_cache_hit_rate
+    cached = [o.token_ids for o in llm.generate(prompts[::-1], GREEDY, use_tqdm=False)][::-1]
+    assert llm.engine.prefix_cache_hit_rate > hits_before
+    chunked_llm = make(max_num_batched_tokens=16)
+    chunked = [o.token_ids for o in chunked_llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return [alone, together, cached, chunked]
+
+
+def test_greedy_output_is_the_same_alone_batched_cached_and_chunked_tiny(grid_llama_dir: Path) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 17, 40, 9, 33)]
+
+    def make(**overrides) -> LLM:
+        settings = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, **overrides)
+        return LLM(str(grid_llama_dir), **settings)
+
+    assert make().engine.runner.backend.name == "native"
+    alone, *others = greedy_runs(make, prompts)
+    for other in others:
+        assert other == alone
+
+
+def test_greedy_output_is_the_same_alone_batched_cached_and_chunked_qwen3_gemma3(grid_variant_dir: Path) -> None:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 17, 40, 9, 33)]
+
+    def make(**overrides) -> LLM:
+        return LLM(str(grid_variant_dir), block_size=4, num_kv_blocks=256, max_num_seqs=8, **overrides)
+
+    assert make().engine.runner.backend.name == "native"
+    alone, *others = greedy_runs(make, prompts)
+    for other in others:
+        assert other == alone
+
+
+def test_default_model_greedy_matches_transformers_and_is_batch_invariant() -> None:
+    """The default config (bfloat16 KV cache, quantize "auto": the native step) against transformers' float32
+    forward of the same dequantised GGUF weights; alone, batched, cached and chunked all give the same tokens."""
+    texts = ["The capital of France is", "Write a haiku about the sea.", "日本の首都は", "1, 2, 3, 4,"]
+
+    def make(**overrides) -> LLM:
+        return LLM("", block_size=4, num_kv_blocks=1024, max_num_seqs=8, **overrides)
+
+    llm = make()
+    assert llm.engine.runner.backend.name == "native"
+    prompts = [llm.engine.input_processor.encode_prompt(t) for t in texts]
+    runs = greedy_runs(make, prompts)
+    for run in runs[1:]:
+        assert run == runs[0]
+    refs = [hf_greedy(llm.engine.model_path, p, GREEDY.max_tokens) for p in prompts]
+    assert runs[0] == refs
+
+
+def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid_llama_dir: Path, caplog) -> None:
+    monkeypatch.setenv("SLUICE_NATIVE", "0")
+    native_ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.native"):
+            llm = LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64)
+            LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64)
+        assert llm.engine.runner.backend.name == "eager"
+        assert sum("SLUICE_NATIVE=0" in r.getMessage() for r in caplog.records) == 1  # said once
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+        assert len(out.token_ids) == 4
+    finally:
+        monkeypatch.delenv("SLUICE_NATIVE")
+        native_ops.cache_clear()
+    assert native_ops() is not None
+
+
+def test_sluice_isa_forces_a_variant_and_refuses_one_the_cpu_lacks(monkeypatch) -> None:
+    runnable = engine_native.available_isas(ops)
+    try:
+        for name in runnable:
+            monkeypatch.setenv("SLUICE_ISA", name)
+            native_ops.cache_clear()
+            assert native_ops().isa() == ("isa_base" if name == "baseline" else f"isa_{name}")
+        monkeypatch.setenv("SLUICE_ISA", "avx1024")
+        native_ops.cache_clear()
+        with pytest.raises(RuntimeError, match="SLUICE_ISA='avx1024': the kernel variants are avx512, avx2, baseline"):
+            native_ops()
+        for lacking in [v for v in engine_native.ISA_VARIANTS if v not in runnable]:  # avx512 on an AVX2 CPU
+            monkeypatch.setenv("SLUICE_ISA", lacking)
+            native_ops.cache_clear()
+            with pytest.raises(RuntimeError, match=f"this CPU cannot run the {lacking} kernels"):
+                native_ops()
+    finally:
+        monkeypatch.delenv("SLUICE_ISA")
+        native_ops.cache_clear()
+        ops.set_isa("best")
+    assert native_ops().isa() == ops.isa()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, dtype: torch.dtype) -> None:
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, heads, dim, block, blocks = 2, 6, 64, 5, 40
+    k = torch.randn(kv_heads, blocks, block, dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, blocks, block, dim, generator=gen).to(dtype)
+    lengths = torch.tensor([1, 7, 23, 40])
+    tables = torch.randperm(blocks, generator=gen)[:32].view(4, 8).to(torch.int32)
+    q = torch.randn(4, heads, dim, generator=gen)
+    ops.set_isa(isa)
+    try:
+        out = ops.attention(q, k, v, tables, lengths)
+    finally:
+        ops.set_isa("best")
+    for i, length in enumerate(lengths.tolist()):
+        pos = torch.arange(length)
+        blocks_of = tables[i].long()[pos // block]
+        keys, values = k[:, blocks_of, pos % block].float(), v[:, blocks_of, pos % block].float()  # [KVH, L, D]
+        group = heads // kv_heads
+        scores = torch.einsum("hd,hld->hl", q[i], keys.repeat_interleave(group, 0)) / dim**0.5
+        expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values.repeat_interleave(group, 0))
+        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_step_inputs_are_refused_not_read_out_of_bounds(grid_llama_dir: Path) -> None:
+    config = EngineConfig(model=str(grid_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=8)
+    native = ModelRunner(load_model(config), config).backend
+    ids, pos = torch.tensor([1, 2]), torch.tensor([0, 1])
+    tables = torch.tensor([[0]], dtype=torch.int32)
+    rows = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="token id"):
+        native.run_tokens(torch.tensor([1, 10**6]), pos, pos, rows, tables)
+    with pytest.raises(RuntimeError, match="slot"):
+        native.run_tokens(ids, pos, torch.tensor([0, 10**6]), rows, tables)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        native.run_tokens(ids, torch.tensor([0, 40]), pos, rows, tables)
+    with pytest.raises(RuntimeError, match="block id"):
+        native.run_tokens(ids, pos, pos, rows, torch.tensor([[99]], dtype=torch.int32))
+
+
+def test_missing_build_falls_back_with_a_warning(monkeypatch, tmp_path: Path, caplog) -> None:
+    import engine.native
+
+    monkeypatch.setattr(engine.native, "BUILD_DIR", tmp_path)
+    native_ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.native"):
+            assert native_ops() is None
+        assert "not built" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native_ops.cache_clear()
+
+
+def test_a_failed_build_warns_and_never_fails_the_install(monkeypatch, tmp_path: Path, capsys) -> None:
+    import engine.native.build as build
+
+    monkeypatch.setattr(build, "BUILD_DIR", tmp_path)
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    assert build.main() == 0
+    assert "did not build" in capsys.readouterr().err
+    assert list(tmp_path.glob("*.so")) == []
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path, isa: str) -> None:
+    """The attention of a token does not depend on the batch: alone, its query heads are spread over the
+    threads one by one; in a batch, the heads of one KV head share the loads. Blocks of 5 tokens, scattered, so
+    that runs of four keys cross block boundaries."""
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    block_size, num_seqs = 5, 9
+    config = EngineConfig(model=str(grid_llama_dir), block_size=block_size, num_kv_blocks=128)
+    native = ModelRunner(load_model(config), config).backend
+    order = random.Random(0).sample(range(128), 128)
+    lengths = [23 + 5 * s for s in range(num_seqs)]  # the decode token of the last lands at position 63
+    tables = [order[s * 14 : (s + 1) * 14] for s in range(num_seqs)]  # 14 blocks: 70 positions each
+
+    def step(seqs: list[int], start: dict[int, int], count: dict[int, int]) -> torch.Tensor:
+        ids, pos, slots, rows = [], [], [], []
+        for row, s in enumerate(seqs):
+            for p in range(start[s], start[s] + count[s]):
+                ids.append(1 + (p * 31 + s * 7) % 200)
+                pos.append(p)
+                slots.append(tables[s][p // block_size] * block_size + p % block_size)
+                rows.append(row)
+        return native.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+                              torch.tensor(rows, dtype=torch.int32),
+                              torch.tensor([tables[s] for s in seqs], dtype=torch.int32))  # fmt: skip
+
+    ops.set_isa(isa)
+    try:
+        everyone = list(range(num_seqs))
+        step(everyone, {s: 0 for s in everyone}, {s: lengths[s] for s in everyone})  # prefill every prompt
+        decode = ({s: lengths[s] for s in everyone}, {s: 1 for s in everyone})
+        batched = step(everyone, *decode)
+        for s in everyone:
+            alone = step([s], *decode)
+            assert torch.equal(alone[0], batched[s]), f"sequence {s}"
+    finally:
+        ops.set_isa("best")

@@ -1,0 +1,1 @@
+"""What the tests share: tiny models, engine and server harnesses, shared requests and fixtures' helpers."""

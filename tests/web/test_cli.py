@@ -1,0 +1,180 @@
+"""The `sluice` command: one flag per config key resolved like the server's, serve, generate, bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig, ServerConfig
+from engine.sampling_params import SamplingParams
+from web.cli import generate_parser
+from web.config_flags import config_from_args, documented_keys
+from web.server import parse_args
+
+from tests.support.server_harness import REPO, free_port, wait_until
+
+PROMPT = "The quick brown fox"
+
+
+def sluice(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "web.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_console_script_and_make_serve_run_web_cli() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["sluice"] == "web.cli:main"
+    makefile = (REPO / "Makefile").read_text()
+    assert "bin/sluice serve $(ARGS)" in makefile.split("serve: install", 1)[1].split("\n\n", 1)[0]
+
+
+@pytest.mark.parametrize("command,classes", [("serve", (EngineConfig, ServerConfig)), ("generate", (EngineConfig,))])
+def test_help_lists_every_knob_with_its_documentation_and_default(command: str, classes: tuple[type, ...]) -> None:
+    done = sluice(command, "--help", env={"SLUICE_API_KEY": "sk-secret-in-env", "SLUICE_MAX_NUM_SEQS": "7"})
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # argparse wraps lines
+    docs = documented_keys()
+    for cls in classes:
+        section = "engine" if cls is EngineConfig else "server"
+        for f in fields(cls):
+            flag = f"--{f.name.replace('_', '-')}"
+            assert flag in text, flag
+            assert docs[(section, f.name)], f"{section}.{f.name} has no comment in config.toml"
+    assert "(default: 7; from SLUICE_MAX_NUM_SEQS)" in text  # the value that applies, and where it comes from
+    assert "(default: 'bfloat16')" in text and "(default: 16)" in text
+    assert "sk-secret-in-env" not in done.stdout
+    if command == "serve":
+        assert "--api-key TEXT" in text and "(default: set; from SLUICE_API_KEY)" in text
+        assert "(default: 256)" in text  # max_pending
+
+
+def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_file = tmp_path / "sluice.toml"
+    config_file.write_text(
+        '[engine]\nmax_num_seqs = 3\ndtype = "float32"\nblock_size = 32\n'
+        '[server]\nport = 7001\nmax_pending = 5\napi_key = "from-file"\n'
+    )
+    monkeypatch.setenv("SLUICE_MAX_NUM_SEQS", "9")
+    monkeypatch.setenv("SLUICE_PORT", "7002")
+    monkeypatch.setenv("SLUICE_API_KEY", "from-env")
+    config = config_from_args(parse_args(["--config", str(config_file), "--port", "7003", "--dtype", "bfloat16"]))
+    assert (config.engine.dtype, config.server.port) == ("bfloat16", 7003)  # flags
+    assert (config.engine.max_num_seqs, config.server.api_keys) == (9, ("from-env",))  # environment
+    assert (config.engine.block_size, config.server.max_pending) == (32, 5)  # file
+    assert config.server.drain_timeout == ServerConfig().drain_timeout  # built-in default
+
+    generate = config_from_args(generate_parser().parse_args(["hi", "--config", str(config_file), "--max-num-seqs", "2"]))
+    assert (generate.engine.max_num_seqs, generate.engine.block_size) == (2, 32)
+
+    monkeypatch.setenv("SLUICE_MAX_PENDING", "many")
+    with pytest.raises(ValueError, match="max_pending expects int"):
+        config_from_args(parse_args([]))
+
+
+def test_bad_values_exit_2_with_the_reason() -> None:
+    done = sluice("serve", "--max-pending", "0")
+    assert done.returncode == 2 and "max_pending must be >= 1" in done.stderr
+    done = sluice("generate", "hi", "--top-p", "0")
+    assert done.returncode == 2 and "top_p must be in (0, 1]" in done.stderr
+    done = sluice("frobnicate")
+    assert done.returncode == 2 and "unknown command" in done.stderr
+
+
+# ---- generate ---------------------------------------------------------------------------------------------
+def test_generate_streams_the_same_text_as_the_offline_api(tiny_llama_dir: Path) -> None:
+    from engine import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = llm.generate(PROMPT, params, use_tqdm=False)[0].text
+    engine_flags = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
+    done = sluice("generate", PROMPT, "--raw", "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "--stats",
+                  *engine_flags)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    assert "12 tokens" in done.stderr and "finish: length" in done.stderr and "TTFT" in done.stderr
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    expected_chat = llm.chat(messages, params, use_tqdm=False)[0].text
+    done = sluice("generate", PROMPT, "--system", "Be brief.", "--temperature", "0", "--max-tokens", "12",
+                  "--ignore-eos", *engine_flags)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == expected_chat + "\n"
+
+
+def test_llm_stream_yields_each_token_as_made_and_aborts_when_closed(tiny_llama_dir: Path) -> None:
+    from engine import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    deltas = list(llm.stream(PROMPT, params))
+    assert [len(d.new_token_ids) for d in deltas] == [1] * 10 and deltas[-1].finished
+    assert "".join(d.text_delta for d in deltas) == llm.generate(PROMPT, params, use_tqdm=False)[0].text
+
+    free_before = llm.engine.num_free_blocks
+    stream = llm.stream(PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    next(stream)
+    assert llm.engine.has_unfinished_requests
+    stream.close()
+    assert not llm.engine.has_unfinished_requests and llm.engine.num_free_blocks == free_before
+    with pytest.raises(ValueError):
+        next(llm.stream("", params))
+
+
+# ---- serve and bench --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    config_file = tmp_path_factory.mktemp("cli") / "sluice.toml"
+    config_file.write_text(f'[engine]\nmodel = "{tiny_llama_dir}"\ndtype = "float32"\n'
+                           '[server]\nserved_model_name = "from-file"\n')  # fmt: skip
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SLUICE_SERVED_MODEL_NAME": "from-env", "SLUICE_CORS_ORIGINS": "*",
+           "SLUICE_PORT": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "web.cli", "serve", "--config", str(config_file), "--port", str(port)]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert process.poll() is None, process.stderr.read().decode()[-3000:] if process.stderr else ""
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, timeout=180, interval=0.25)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+
+
+def test_serve_takes_the_file_then_the_environment_then_flags(served: str) -> None:
+    models = httpx.get(f"{served}/v1/models", headers={"Origin": "https://page.example"})
+    assert models.json()["data"][0]["id"] == "from-env"
+    assert models.headers["access-control-allow-origin"] == "*"
+    assert "<title>Sluice</title>" in httpx.get(served).text
+
+
+def test_bench_is_the_load_generator(served: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = sluice("bench", "--url", served, "--concurrency", "2", "--num-requests", "4", "--prompt-tokens", "8",
+                  "--output-tokens", "4", "--warmup", "0", "--no-progress", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["completed"] == 4 and level["completion_tokens"] == 16

@@ -1,0 +1,224 @@
+"""`sluice serve --replicas 2`: two engine replicas on a local Ray cluster (one compute thread each) behind the
+front, on the tiny model. One server for the module (Ray's start is slow), tests in order: the last two kill a
+replica and drain the front."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.server_harness import REPO, free_port, health, parse_sse, wait_until
+
+
+pytest.importorskip("ray", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
+
+MODEL = "tiny"
+START_TIMEOUT = 600.0  # Ray's start and two model loads on a busy 2-core machine
+SYSTEM = "You are a careful assistant. " * 12
+
+
+class ClusterServer:
+    def __init__(self, model_dir: Path, log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        args = ["--model", str(model_dir), "--dtype", "float32", "--quantize", "none", "--block-size", "4",
+                "--num-kv-blocks", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+                "--num-threads", "1", "--served-model-name", MODEL, "--port", str(self.port),
+                "--max-pending", "8", "--drain-timeout", "60", "--replicas", "2"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DISABLE_USAGE_STATS": "1"}
+        self.log = open(log_path, "wb")
+        # A session of its own: teardown can end the front and the Ray processes it started, by group id.
+        self.process = subprocess.Popen([sys.executable, "-m", "web.server", *args], cwd=REPO, env=env,
+                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited {self.process.returncode}:\n{self.log_text()[-3000:]}")
+            status, body = health(self.base_url)
+            return status == 200 and body["replicas"]["ready"] == 2
+
+        wait_until(ready, timeout=START_TIMEOUT, interval=1.0)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def replicas(self) -> list[dict[str, Any]]:
+        return health(self.base_url)[1]["replicas"]["replicas"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of Ray is left in the server's own session
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterServer]:
+    server = ClusterServer(tiny_llama_dir, tmp_path_factory.mktemp("cluster") / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.close()
+
+
+def idle(server: ClusterServer) -> bool:
+    status, body = health(server.base_url)
+    replicas = body.get("replicas", {}).get("replicas", [])
+    return status == 200 and all(
+        r["ready"] and r["running"] == r["waiting"] == r["in_flight"] == 0 and r["free_kv_blocks"] == r["total_kv_blocks"]
+        for r in replicas
+    )
+
+
+def stream_events(client: httpx.Client, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            return response.status_code, []
+        events, _ = parse_sse(response.iter_lines())
+        return 200, events
+
+
+def terminal_events(events: list[Any]) -> list[Any]:
+    """The events that end a stream: a chunk with a finish_reason, or an error."""
+    return [e for e in events if isinstance(e, dict) and ("error" in e or any(c.get("finish_reason") for c in e["choices"]))]
+
+
+def test_openai_client_streams_and_not_as_one_process(cluster: ClusterServer, llm) -> None:
+    from openai import OpenAI
+
+    from engine.sampling_params import SamplingParams
+
+    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "The quick brown fox"
+    expected = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    pieces = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(pieces)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello world"}],
+                                          max_tokens=6, stream=True)  # fmt: skip
+    chat_chunks = list(chat)
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert chat_chunks[-1].choices[0].finish_reason in ("stop", "length")
+    wait_until(lambda: idle(cluster), timeout=10)
+
+
+def test_a_vanished_client_frees_its_replicas_kv(cluster: ClusterServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= 4:
+                    break  # leaving the block closes the connection mid-stream
+        left_at = time.monotonic()
+    wait_until(lambda: idle(cluster), timeout=10, interval=0.05)
+    assert time.monotonic() - left_at < 10
+    text = httpx.get(f"{cluster.base_url}/metrics").text
+    assert "sluice_requests_aborted_total 1.0" in text
+
+
+def test_affine_routing_keeps_each_conversation_on_one_replica(cluster: ClusterServer) -> None:
+    """Six conversations of three turns, interleaved. A turn's cached tokens come from its replica's own prefix
+    cache: every later turn finds its whole earlier prompt there, so it went where its history is."""
+    hits_before = sum(r["prefix_hits"] for r in cluster.replicas())
+    num_cached = 0
+    histories = {u: [{"role": "system", "content": SYSTEM}] for u in range(6)}
+    previous_prompt: dict[int, int] = {}
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        for turn in range(3):
+            for user, messages in histories.items():
+                messages.append({"role": "user", "content": f"User {user} asks question number {turn}."})
+                body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                answer = client.post("/v1/chat/completions", json=body).json()
+                usage = answer["usage"]
+                if turn:
+                    # The earlier prompt's full blocks (block size 4) are all found on this replica.
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= previous_prompt[user] // 4 * 4 - 4
+                previous_prompt[user] = usage["prompt_tokens"]
+                num_cached += usage["prompt_tokens_details"]["cached_tokens"]
+                messages.append(answer["choices"][0]["message"])
+    decisions = health(cluster.base_url)[1]["replicas"]["decisions"]
+    assert decisions.get("prefix", 0) >= 12
+    wait_until(lambda: idle(cluster), timeout=10)
+    # The replicas' own counters agree: the hits are theirs.
+    assert sum(r["prefix_hits"] for r in cluster.replicas()) - hits_before == num_cached
+
+
+def test_every_replica_full_is_told_429_with_retry_after(cluster: ClusterServer) -> None:
+    # Each replica takes max_num_seqs (16) running plus max_pending (8) queued: 48 places in all.
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=180) as client:
+        with ThreadPoolExecutor(64) as pool:
+            statuses = list(pool.map(lambda _: client.post("/v1/completions", json={**body, "stream": False}),
+                                     range(64)))  # fmt: skip
+    rejected = [r for r in statuses if r.status_code == 429]
+    assert rejected and all(r.headers["Retry-After"] for r in rejected)
+    assert all(r.status_code in (200, 429) for r in statuses)
+    wait_until(lambda: idle(cluster), timeout=30)
+
+
+def test_a_killed_replica_ends_its_own_streams_and_the_other_finishes(cluster: ClusterServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream_events, client, body) for _ in range(16)]
+        wait_until(lambda: all(r["running"] > 0 for r in cluster.replicas()), timeout=30, interval=0.05)
+        victim = cluster.replicas()[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        results = [f.result(timeout=120) for f in futures]
+        # At once, new requests go to the living replica.
+        answer = client.post("/v1/completions", json={**body, "max_tokens": 4})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
+    assert all(status == 200 for status, _ in results)
+    ends = [terminal_events(events) for _, events in results]
+    assert all(len(end) == 1 for end in ends), "exactly one terminal event per stream"
+    assert all(events[-1] == "[DONE]" for _, events in results)
+    failed = [end[0] for end in ends if "error" in end[0]]
+    finished = [end[0] for end in ends if "error" not in end[0]]
+    assert failed and finished, (len(failed), len(finished))
+    assert all(e["choices"][0]["finish_reason"] == "length" for e in finished)
+    # Ray Serve starts a replacement, which rejoins the routing with an empty prefix memory.
+    wait_until(lambda: cluster.replicas()[0]["ready"] and cluster.replicas()[0]["pid"] != victim["pid"],
+               timeout=START_TIMEOUT, interval=1.0)  # fmt: skip
+    assert cluster.replicas()[0]["restarts"] == 1
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        statuses = [client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code for _ in range(4)]
+    assert statuses == [200] * 4
+
+
+def test_sigterm_drains_the_streams_on_every_replica(cluster: ClusterServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(stream_events, client, body) for _ in range(16)]
+        wait_until(lambda: all(r["in_flight"] > 0 for r in cluster.replicas()), timeout=30, interval=0.01)
+        cluster.process.send_signal(signal.SIGTERM)
+        results = [f.result(timeout=120) for f in futures]
+    assert cluster.process.wait(120) == 0
+    for status, events in results:
+        assert status == 200 and events[-1] == "[DONE]"
+        (end,) = terminal_events(events)
+        assert end["choices"][0]["finish_reason"] == "length"

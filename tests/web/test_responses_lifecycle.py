@@ -1,0 +1,89 @@
+"""/v1/responses streams on the engine's lifecycle: a client that leaves mid-stream frees its KV at once, and a
+drain ends every open stream with exactly one terminal event (response.failed)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.responses_events import check_event_grammar
+from tests.support.server_harness import ThreadedServer, llm_engine_loader, slowed, tiny_engine_config, wait_until, wrapped_execute
+from tests.support.tool_model import MODEL, tiny_tool_model
+
+
+# A JSON array of 5000 integers: the grammar bans EOS until it is complete, which takes far more tokens.
+ENDLESS = {"format": {"type": "json_schema", "name": "endless", "schema": {
+    "type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "minItems": 5000}},
+    "required": ["a"]}}}  # fmt: skip
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_kv(tmp_path: Path) -> None:
+    config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
+        engine = server.engine
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        with wrapped_execute(engine, slowed(0.02)):
+            stream = client.responses.create(model=MODEL, input="Hello world " * 20, max_output_tokens=1000,
+                                             stream=True)  # fmt: skip
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    break
+            assert engine.num_free_blocks < engine.num_total_blocks and engine.num_running == 1
+            stream.close()
+            wait_until(lambda: engine.num_running == 0 and engine.num_free_blocks == engine.num_total_blocks, 10)
+        assert server.async_engine.stats().pending == 0
+
+
+def test_a_drain_ends_each_open_stream_with_one_terminal_event(tmp_path: Path) -> None:
+    config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
+    server = ThreadedServer(llm_engine_loader(config), served_model_name=MODEL, drain_timeout=3.0)
+    with server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        started = [threading.Event() for _ in range(3)]
+
+        def read(i: int) -> list[dict]:
+            events = []
+            body = dict(model=MODEL, input=f"Hello {i}", max_output_tokens=3 if i == 0 else 1900, stream=True,
+                        text=ENDLESS)  # no stream can end by itself before its max_output_tokens
+            for event in client.responses.create(**body):
+                events.append(event.to_dict(warnings=False))
+                started[i].set()
+            return events
+
+        with wrapped_execute(server.engine, slowed(0.02)), ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(read, i) for i in range(3)]
+            assert all(event.wait(30) for event in started)
+            server.stop()
+            results = [f.result(timeout=30) for f in futures]
+    finals = [check_event_grammar(events) for events in results]
+    assert finals[0]["status"] == "incomplete"
+    for final in finals[1:]:
+        assert final["status"] == "failed" and final["error"]["code"] == "server_error"
+        assert "shutting down" in final["error"]["message"]
+
+
+def failing(execute):
+    def fail(plan):
+        raise RuntimeError("the forward pass broke")
+
+    return fail
+
+
+def test_a_failed_forward_pass_ends_the_stream_with_response_failed(tmp_path: Path) -> None:
+    config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        with wrapped_execute(server.engine, failing):
+            events = [e.to_dict(warnings=False) for e in client.responses.create(model=MODEL, input="Hi", stream=True)]
+            with pytest.raises(openai.InternalServerError):
+                client.responses.create(model=MODEL, input="Hi")
+        final = check_event_grammar(events)
+        assert final["status"] == "failed" and final["error"]["code"] == "server_error" and final["error"]["message"]
+        assert client.responses.retrieve(final["id"]).status == "failed"  # stored as it ended
+        after = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)  # the engine serves on
+        assert after.status == "incomplete"
+        assert server.engine.num_free_blocks == server.engine.num_total_blocks

@@ -1,0 +1,247 @@
+"""The OpenAI API of a real Hypercorn server (tiny model): stream format, parity, usage, logprobs, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.server_harness import ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config
+
+
+MODEL = "tiny"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 12, "temperature": 0}
+COMPLETION = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir) -> Iterator[ThreadedServer]:
+    config = tiny_engine_config(tiny_llama_dir)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL, max_body_bytes=64 * 1024) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(server: ThreadedServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def streamed_text(events: list[Any], key: str) -> str:
+    if key == "delta":
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+
+
+def test_chat_stream_format_is_exactly_openai(http: httpx.Client) -> None:
+    body = {**CHAT, "stream_options": {"include_usage": True}}
+    result = stream_request(http, "/v1/chat/completions", body)
+    assert result.status == 200
+    assert result.headers["content-type"].startswith("text/event-stream")
+    assert result.headers["cache-control"] == "no-cache" and result.headers["x-accel-buffering"] == "no"
+    events = result.events
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert chunks[0]["id"].startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *content, finish, usage = chunks[1:]
+    for chunk in content:
+        assert set(chunk["choices"][0]["delta"]) == {"content"} and chunk["choices"][0]["finish_reason"] is None
+        assert chunk["usage"] is None
+    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 12
+    # raw SSE framing: "data: {json}" lines separated by blank lines
+    assert all(line.startswith("data: ") for line in result.raw_lines[::2])
+    assert all(line == "" for line in result.raw_lines[1::2])
+
+
+def test_completion_stream_format(http: httpx.Client) -> None:
+    result = stream_request(http, "/v1/completions", COMPLETION)
+    chunks = result.events[:-1]
+    assert result.events[-1] == "[DONE]" and len({c["id"] for c in chunks}) == 1
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_streamed_equals_non_streamed_with_the_openai_client(client: openai.OpenAI) -> None:
+    messages = CHAT["messages"]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert whole.usage.completion_tokens == 16 and whole.choices[0].finish_reason == "length"
+
+    text = client.completions.create(model=MODEL, prompt="Paged attention", max_tokens=16, temperature=0)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Paged attention", max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+
+
+def test_sixteen_concurrent_streams_each_equal_their_result_alone(http: httpx.Client) -> None:
+    prompts = [f"Request number {i}: the quick brown fox" for i in range(16)]
+    bodies = [{**COMPLETION, "prompt": p, "max_tokens": 10 + i % 5} for i, p in enumerate(prompts)]
+    alone = [http.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    with ThreadPoolExecutor(16) as pool:
+        streams = list(pool.map(lambda b: stream_request(http, "/v1/completions", b), bodies))
+    for result, expected in zip(streams, alone):
+        assert streamed_text(result.events, "text") == expected
+
+
+def test_usage_counts_are_exact(server: ThreadedServer, http: httpx.Client) -> None:
+    engine = server.engine
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    body = {**CHAT, "messages": messages, "max_tokens": 7, "ignore_eos": True}
+    usage = http.post("/v1/chat/completions", json=body).json()["usage"]
+    prompt_tokens = len(engine.input_processor.encode_chat(messages))
+    assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == 7
+    assert usage["total_tokens"] == prompt_tokens + 7
+    usage = http.post("/v1/completions", json={**COMPLETION, "prompt": [5, 6, 7, 8], "max_tokens": 3}).json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (4, 3, 7)
+
+
+def test_logprobs_shapes(http: httpx.Client) -> None:
+    chat = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 3}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert isinstance(entry["bytes"], list) and entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][-1]["logprob"]
+    completion = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 4, "logprobs": 2}).json()
+    logprobs = completion["choices"][0]["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 4
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    streamed = stream_request(http, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "logprobs": True})
+    entries = [e for c in streamed.events[:-1] for e in ((c["choices"][0]["logprobs"] or {}).get("content") or [])]
+    assert [e["token"] for e in entries] == [e["token"] for e in content]
+
+
+def test_models_and_health(http: httpx.Client) -> None:
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    health = http.get("/health")
+    assert health.status_code == 200
+    assert set(health.json()) == {"state", "waiting", "running", "pending", "free_kv_blocks", "total_kv_blocks"}
+    metrics = http.get("/metrics").text
+    for name in ("sluice_admission_seconds_bucket", "sluice_time_to_first_token_seconds_count"):
+        assert name in metrics
+    assert "sluice_requests_rejected_total" in metrics and "sluice_prefix_cache_hit_rate" in metrics
+
+
+def test_stop_and_sampling_parameters_are_accepted(client: openai.OpenAI, http: httpx.Client) -> None:
+    result = client.chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_completion_tokens=8, temperature=0.8, top_p=0.9, seed=7,
+        presence_penalty=0.5, frequency_penalty=0.5, stop=["\n", "zz"],
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True},
+    )  # fmt: skip
+    assert result.usage.completion_tokens >= 2
+    seeded = {**COMPLETION, "temperature": 1.0, "seed": 1234}
+    first, second = (http.post("/v1/completions", json=seeded).json()["choices"][0]["text"] for _ in range(2))
+    assert first == second
+
+
+BAD_REQUESTS = [
+    # (path, body or raw bytes, content type, status, param or None, words in the message)
+    ("/v1/chat/completions", {**CHAT, "messages": []}, None, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "bot", "content": "x"}]}, None, 400, "messages.0.role", ""),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, None, 400, "max_tokens", "integer"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, None, 400, "max_tokens", ""),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, None, 400, "temperature", ""),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, None, 400, "top_p", ""),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 50, "logprobs": True}, None, 400, "top_logprobs", ""),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, None, 400, "stream", ""),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, None, 400, "n", "n must be"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, None, 400, "n", "max_num_seqs (16)"),
+    ("/v1/completions", {**COMPLETION, "n": 2, "echo": True, "logprobs": 1}, None, 400, "n", "n=1"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999": 5}}, None, 400, "logit_bias", "99999"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"7": 101}}, None, 400, "logit_bias", "[-100, 100]"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"x7": 1}}, None, 400, "logit_bias", "token ids"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"7": "1"}}, None, 400, "logit_bias", ""),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(301)}}, None, 400, "logit_bias", "300"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools.0.function", "required"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     None, 400, "response_format", "tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, None, 400, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     None, 400, "tool_choice", "nope"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+     "tool_choice": "required"}, None, 400, "tools", "cannot be compiled"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, None, 400, "functions", "tools"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+     "schema": {"type": "nope"}}}}, None, 400, "response_format", "cannot be compiled"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, None, 400, "response_format", "schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, None, 400, "response_format.type", ""),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "min_tokens": 2}, None, 400,
+     "min_tokens", "structured"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a(b"}}, None, 400, "structured_outputs.regex",
+     "unclosed group"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"grammar": "start: nothing_here"}}, None, 400,
+     "structured_outputs.grammar", "nothing_here"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}, None, 400,
+     "structured_outputs", "exactly one"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"json": {"type": "object"}},
+     "response_format": {"type": "json_object"}}, None, 400, "structured_outputs", "either"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+     None, 400, "response_format", "cannot be compiled"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": "{oops"}}, None, 400, "structured_outputs.json", ""),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 600}, None, 400, "max_tokens", "512"),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, None, 404, "model", "gpt-4"),
+    ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, None, 400, "messages", "required"),
+    ("/v1/completions", {**COMPLETION, "prompt": ""}, None, 400, "prompt", "empty"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 99999]}, None, 400, "prompt", "99999"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"], "stream": True}, None, 400, "prompt", "one prompt"),
+    ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}, None, 400, "echo", "without stream"),
+    ("/v1/completions", {**COMPLETION, "best_of": 3}, None, 400, "best_of", ""),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 20, "max_tokens": 5}, None, 400, "min_tokens", "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "prompt": "x" * 300, "max_tokens": 400}, None, 400, "max_tokens", "512"),
+    ("/v1/completions", b"{not json", "application/json", 400, None, "JSON"),
+    ("/v1/completions", b"[1, 2]", "application/json", 400, None, "object"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', "application/json", 400, None, "JSON"),
+    ("/v1/completions", b"prompt=hi", "application/x-www-form-urlencoded", 415, None, "application/json"),
+    ("/v1/completions", b"x" * (65 * 1024), "application/json", 413, None, ""),
+]
+
+
+@pytest.mark.parametrize("path,body,content_type,status,param,words", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error(
+    http: httpx.Client, path: str, body: Any, content_type: str | None, status: int, param: str | None, words: str
+) -> None:
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": content_type or "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert words.lower() in error["message"].lower()
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/nowhere", 404), ("GET", "/v1/completions", 405)])
+def test_unknown_routes_and_methods(http: httpx.Client, method: str, path: str, status: int) -> None:
+    response = http.request(method, path)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_openai_client_sees_errors_as_api_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT["messages"])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=100000)

@@ -1,0 +1,205 @@
+"""What a hostile client gets from a real server (tiny model): extreme numbers, huge bodies, long stop lists,
+clients that queue and vanish, clients that never read. Every case gets a clear error or a bounded cost, and
+the server keeps serving everyone else."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.support.lifecycle import LONG, MODEL, SHORT, engine_idle, metric
+from tests.support.server_harness import (
+    ThreadedServer,
+    health,
+    llm_engine_loader,
+    slowed,
+    stream_request,
+    tiny_engine_config,
+    wait_until,
+    wrapped_execute,
+)
+
+MAX_BODY_BYTES = 1 << 20
+INF, NEG_INF = "INF", "-INF"  # written into the JSON text as 1e999 and -1e999, which overflow a double
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir) -> Iterator[ThreadedServer]:
+    config = tiny_engine_config(tiny_llama_dir, max_num_seqs=2, max_num_batched_tokens=64)
+    options = dict(served_model_name=MODEL, max_pending=2, max_body_bytes=MAX_BODY_BYTES, client_read_timeout=1.0)
+    with ThreadedServer(llm_engine_loader(config), send_buffer_bytes=16384, **options) as server:
+        yield server
+
+
+@pytest.fixture
+def http(server: ThreadedServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+    wait_until(lambda: engine_idle(server.base_url), timeout=30)
+
+
+def raw_post(base_url: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """POST over a plain socket that writes the whole body before reading: a reset shows up as an error."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    header, _, payload = data.partition(b"\r\n\r\n")
+    return int(header.split()[1]), orjson.loads(payload)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"temperature": INF}, None),  # a number that overflows a double is not JSON the server accepts
+        ({"repetition_penalty": NEG_INF}, None),
+        ({"temperature": 3.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"max_tokens": 10**30}, "max_tokens"),  # parsed as a float: not an integer
+        ({"max_tokens": 2**62}, "max_tokens"),
+        ({"seed": 2**200}, "seed"),
+        ({"min_tokens": 10**9, "max_tokens": None}, "min_tokens"),
+        ({"stop": ["x"] * 10_000}, "stop"),
+        ({"stop": ["y" * 100_000]}, "stop"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"prompt": [10**12]}, "prompt"),
+        ({"prompt": "x" * (MAX_BODY_BYTES - 100)}, "prompt"),  # refused before any tokenization
+    ],
+)
+def test_values_that_cannot_be_honoured_get_a_400_naming_the_parameter(
+    http: httpx.Client, fields: dict[str, Any], param: str | None
+) -> None:
+    body = json.dumps({**SHORT, **fields}).replace('"INF"', "1e999").replace('"-INF"', "-1e999")
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert http.post("/v1/completions", json=SHORT).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_p": 5e-324, "temperature": 1.0},  # a denormal that vanishes in float32
+        {"temperature": 1e-300},
+        {"temperature": 2.0, "top_k": 2**62, "min_p": 1e-320},
+        {"repetition_penalty": 1e-45, "temperature": 1.0},  # overflows the penalised logits to inf
+        {"repetition_penalty": 1e300, "presence_penalty": 2, "frequency_penalty": -2, "top_p": 1e-30},
+        {"seed": 2**64 - 1, "temperature": 1.5, "top_p": 0.5},
+        {"seed": -(2**63), "logprobs": 20, "temperature": 1.0},
+    ],
+)
+def test_extreme_but_legal_sampling_values_always_yield_tokens(http: httpx.Client, fields: dict[str, Any]) -> None:
+    body = {**SHORT, "max_tokens": 8, **fields, "prompt": "Hello world Hello world"}
+    response = http.post("/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("prompt", ["a" * (3 * MAX_BODY_BYTES), list(range(1_000_000))])
+def test_a_body_over_the_limit_gets_a_readable_413(server: ThreadedServer, prompt: Any) -> None:
+    status, body = raw_post(server.base_url, "/v1/completions", orjson.dumps({**SHORT, "prompt": prompt}))
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large" and str(MAX_BODY_BYTES) in body["error"]["message"]
+
+
+def test_health_stays_responsive_while_oversized_and_malformed_requests_are_rejected(server: ThreadedServer) -> None:
+    bad_bodies = [
+        orjson.dumps({**SHORT, "prompt": "z" * (MAX_BODY_BYTES - 200)}),  # 400 before tokenizing
+        orjson.dumps({**SHORT, "prompt": list(range(100_000))}),
+        orjson.dumps({**SHORT, "stop": ["s"] * 5_000}),
+        b"{" * 10_000,
+        orjson.dumps({**SHORT, "prompt": "q" * (2 * MAX_BODY_BYTES)}),  # 413
+    ]
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def abuse() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            while not stop.is_set():
+                for body in bad_bodies:
+                    response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                    statuses.append(response.status_code)
+
+    latencies = []
+    with ThreadPoolExecutor(3) as pool:
+        abusers = [pool.submit(abuse) for _ in range(3)]
+        with httpx.Client(base_url=server.base_url, timeout=30) as probe:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                started = time.perf_counter()
+                assert probe.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+        stop.set()
+        for abuser in abusers:
+            abuser.result()
+    # Requests being prepared hold admission slots: with max_pending 2 and three abusers, some are told 429 first.
+    assert set(statuses) <= {400, 413, 429} and statuses.count(400) > 0 and statuses.count(413) > 0
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    # A loose bound for a shared CI machine; bench/ measures the real figure (target: p99 under 50 ms).
+    assert p99 < 0.5, f"/health p99 {p99 * 1000:.0f} ms while bad requests were rejected"
+
+
+def test_queued_clients_that_vanish_free_their_slots_at_once(server: ThreadedServer, http: httpx.Client) -> None:
+    with wrapped_execute(server.engine, slowed(0.01)), ThreadPoolExecutor(6) as pool:
+        blockers = [pool.submit(stream_request, http, "/v1/completions", {**LONG, "max_tokens": 150}) for _ in range(2)]
+        wait_until(lambda: health(server.base_url)[1]["running"] == 2)
+        leave = threading.Event()
+
+        def queue_then_vanish() -> None:
+            with httpx.Client(base_url=server.base_url, timeout=30) as other:
+                with other.stream("POST", "/v1/completions", json={**SHORT, "stream": True}) as response:
+                    assert response.status_code == 200
+                    leave.wait(10)
+
+        leavers = [pool.submit(queue_then_vanish) for _ in range(2)]
+        wait_until(lambda: health(server.base_url)[1]["pending"] == 2)
+        assert http.post("/v1/completions", json=SHORT).status_code == 429  # max_pending = 2, all in use
+        leave.set()
+        for leaver in leavers:
+            leaver.result()
+        wait_until(lambda: health(server.base_url)[1]["pending"] == 0, timeout=5)
+        admitted = pool.submit(http.post, "/v1/completions", json=SHORT)  # the freed slot takes it: no 429
+        assert admitted.result().status_code == 200
+        for blocker in blockers:
+            assert blocker.result().events[-1] == "[DONE]"
+
+
+def test_a_client_that_never_reads_is_aborted_and_disconnected(server: ThreadedServer) -> None:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    body = orjson.dumps({**LONG, "stream": True, "logprobs": 20, "max_tokens": 480})  # ~4 kB per event
+    aborted_before = metric(server.base_url, "sluice_requests_aborted_total")
+    with wrapped_execute(server.engine, slowed(0.02)):  # 480 tokens would take 10 s
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        try:
+            wait_until(lambda: health(server.base_url)[1]["running"] == 1, timeout=10)
+            # client_read_timeout = 1 s: the request is aborted and its blocks freed although it never read.
+            wait_until(lambda: engine_idle(server.base_url), timeout=6)
+            assert metric(server.base_url, "sluice_requests_aborted_total") == aborted_before + 1
+            sock.settimeout(10)
+            received = b""
+            while chunk := sock.recv(1 << 16):  # the server closed the connection: recv ends with b""
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 200")
+        finally:
+            sock.close()

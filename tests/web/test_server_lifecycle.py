@@ -1,0 +1,264 @@
+"""Disconnects, admission bursts, engine failures and drain, against a real Hypercorn server (tiny model)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.lifecycle import LONG, MODEL, SHORT, engine_idle, metric
+from tests.support.server_harness import (
+    REPO,
+    ThreadedServer,
+    free_port,
+    health,
+    llm_engine_loader,
+    parse_sse,
+    server_subprocess,
+    slowed,
+    stream_request,
+    tiny_engine_config,
+    wait_until,
+    wrapped_execute,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir) -> Iterator[ThreadedServer]:
+    config = tiny_engine_config(tiny_llama_dir, max_num_seqs=2, max_num_batched_tokens=64)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL, max_pending=4) as server:
+        yield server
+
+
+@pytest.fixture
+def http(server: ThreadedServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+    wait_until(lambda: engine_idle(server.base_url), timeout=30)
+
+
+def read_some_then_leave(http: httpx.Client, body: dict[str, Any], num_lines: int) -> None:
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= num_lines:
+                break  # leaving the block closes the connection mid-stream
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ThreadedServer, http: httpx.Client) -> None:
+    aborted_before = metric(server.base_url, "sluice_requests_aborted_total")
+    with wrapped_execute(server.engine, slowed(0.005)):
+        read_some_then_leave(http, LONG, num_lines=6)
+        wait_until(lambda: metric(server.base_url, "sluice_requests_aborted_total") == aborted_before + 1, timeout=10)
+        wait_until(lambda: engine_idle(server.base_url), timeout=10)
+    assert http.post("/v1/completions", json=SHORT).json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server: ThreadedServer, http: httpx.Client) -> None:
+    aborted_before = metric(server.base_url, "sluice_requests_aborted_total")
+    with wrapped_execute(server.engine, slowed(0.005)):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base_url}/v1/completions", json=LONG, timeout=0.3)
+        wait_until(lambda: metric(server.base_url, "sluice_requests_aborted_total") == aborted_before + 1, timeout=10)
+        wait_until(lambda: engine_idle(server.base_url), timeout=10)
+    assert http.post("/v1/completions", json=SHORT).json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_disconnect_while_queued_is_dropped(server: ThreadedServer, http: httpx.Client) -> None:
+    aborted_before = metric(server.base_url, "sluice_requests_aborted_total")
+    with wrapped_execute(server.engine, slowed(0.01)), ThreadPoolExecutor(4) as pool:
+        blockers = [pool.submit(stream_request, http, "/v1/completions", {**LONG, "max_tokens": 150}) for _ in range(2)]
+        wait_until(lambda: health(server.base_url)[1]["running"] == 2)
+        queued_gone = threading.Event()
+
+        def queued_then_leave() -> None:
+            with httpx.Client(base_url=server.base_url, timeout=30) as other:
+                with other.stream("POST", "/v1/completions", json={**SHORT, "stream": True}) as response:
+                    assert response.status_code == 200
+                    queued_gone.wait(10)
+
+        leaver = pool.submit(queued_then_leave)
+        wait_until(lambda: health(server.base_url)[1]["pending"] == 1)
+        queued_gone.set()
+        leaver.result()
+        wait_until(lambda: health(server.base_url)[1]["pending"] == 0, timeout=10)
+        assert metric(server.base_url, "sluice_requests_aborted_total") == aborted_before + 1
+        assert health(server.base_url)[1]["running"] == 2  # the dropped request never reached the scheduler
+        for blocker in blockers:
+            assert blocker.result().events[-2]["choices"][0]["finish_reason"] == "length"
+    wait_until(lambda: engine_idle(server.base_url), timeout=10)
+    assert http.post("/v1/completions", json=SHORT).status_code == 200
+
+
+def test_burst_beyond_max_pending_gets_429s_and_the_rest_complete(server: ThreadedServer, http: httpx.Client) -> None:
+    rejected_before = metric(server.base_url, "sluice_requests_rejected_total")
+    with wrapped_execute(server.engine, slowed(0.02)), ThreadPoolExecutor(12) as pool:
+        blockers = [pool.submit(stream_request, http, "/v1/completions", {**LONG, "max_tokens": 100}) for _ in range(2)]
+        wait_until(lambda: health(server.base_url)[1]["running"] == 2)
+        responses = list(pool.map(lambda _: http.post("/v1/completions", json=SHORT), range(10)))
+        for blocker in blockers:
+            assert blocker.result().events[-1] == "[DONE]"
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [200] * 4 + [429] * 6  # max_pending = 4; the scheduler (max_num_seqs = 2) is full
+    for response in responses:
+        if response.status_code == 429:
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+    assert metric(server.base_url, "sluice_requests_rejected_total") == rejected_before + 6
+
+
+def test_forward_pass_failure_ends_each_open_stream_with_one_error(server: ThreadedServer, http: httpx.Client) -> None:
+    fail_next = threading.Event()
+
+    def failing(execute: Callable) -> Callable:
+        def maybe_fail(plan: Any) -> Any:
+            time.sleep(0.005)
+            if fail_next.is_set():
+                fail_next.clear()
+                raise RuntimeError("injected forward-pass failure")
+            return execute(plan)
+
+        return maybe_fail
+
+    with wrapped_execute(server.engine, failing), ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream_request, http, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True,
+        }) for i in range(2)]  # fmt: skip
+        wait_until(lambda: health(server.base_url)[1]["running"] == 2)
+        fail_next.set()
+        results = [s.result(timeout=30) for s in streams]
+    for result in results:
+        events = result.events
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        errors = [e for e in events[:-1] if "error" in e]
+        assert len(errors) == 1 and events[-2] is errors[0]
+        assert "injected" not in errors[0]["error"]["message"]  # no internals leak to the client
+        assert errors[0]["error"]["type"] == "server_error"
+        assert not any(c["choices"] and c["choices"][0]["finish_reason"] for c in events[:-2])
+    assert http.post("/v1/completions", json=SHORT).status_code == 200
+    assert health(server.base_url)[0] == 200
+
+
+def test_engine_loop_crash_errors_every_stream_and_stops_the_server(tiny_llama_dir) -> None:
+    config = tiny_engine_config(tiny_llama_dir)
+    server = ThreadedServer(llm_engine_loader(config), served_model_name=MODEL)
+    with server:
+        engine = server.engine
+        crash = threading.Event()
+        real_finish_step = engine.finish_step
+
+        def finish_step(plan: Any, sampled: Any) -> Any:
+            if crash.is_set():
+                raise RuntimeError("scheduler bookkeeping bug")
+            return real_finish_step(plan, sampled)
+
+        with wrapped_execute(engine, slowed(0.005)), ThreadPoolExecutor(3) as pool:
+            engine.finish_step = finish_step
+            http = httpx.Client(base_url=server.base_url, timeout=30)
+            streams = [pool.submit(stream_request, http, "/v1/completions", LONG) for _ in range(3)]
+            wait_until(lambda: health(server.base_url)[1].get("running", 0) >= 2)
+            crash.set()
+            results = [s.result(timeout=30) for s in streams]
+        for result in results:
+            assert result.events[-1] == "[DONE]"
+            message = result.events[-2]["error"]["message"]
+            assert "engine failed" in message and "bookkeeping" not in message
+        assert server.stop() == 1  # serve() reports the crash: `python -m web.server` exits 1
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    process = server_subprocess(
+        ["--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port), "--served-model-name", MODEL,
+         "--num-kv-blocks", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"],
+        env_overrides={"SLUICE_DRAIN_TIMEOUT": "0.5", "SLUICE_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
+        assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+        http = httpx.Client(base_url=base_url, timeout=60)
+        first_events = [threading.Event() for _ in range(6)]
+
+        def stream(i: int) -> list[Any]:
+            body = {**LONG, "prompt": f"stream {i}", "max_tokens": 5 if i < 2 else 480, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                first = next(lines)
+                first_events[i].set()
+                events, _ = parse_sse(iter([first, *lines]))
+                return events
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream, i) for i in range(6)]
+            for event in first_events:
+                assert event.wait(60)
+            process.send_signal(signal.SIGTERM)
+            wait_until(lambda: health(base_url)[1].get("state") != "ready", timeout=10)
+            late = http.post("/v1/completions", json=SHORT)
+            assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+            results = [f.result(timeout=30) for f in futures]
+        for events in results:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
+        assert {e[-2]["choices"][0]["finish_reason"] for e in results[:2]} == {"length"}
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
+    release = threading.Event()
+    load = llm_engine_loader(tiny_engine_config(tiny_llama_dir))
+
+    def slow_load() -> Any:
+        release.wait(30)
+        return load()
+
+    with ThreadedServer(slow_load, served_model_name=MODEL, wait_ready=False) as server:
+        wait_until(lambda: health(server.base_url)[0] == 503)
+        assert health(server.base_url)[1]["state"] == "loading"
+        response = httpx.post(f"{server.base_url}/v1/completions", json=SHORT)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_loading"
+        release.set()
+        wait_until(lambda: health(server.base_url)[0] == 200)
+        assert httpx.post(f"{server.base_url}/v1/completions", json=SHORT, timeout=30).status_code == 200
+
+
+def test_the_hypercorn_command_serves_and_stops_cleanly(tiny_llama_dir) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ, "SLUICE_MODEL": str(tiny_llama_dir), "SLUICE_DTYPE": "float32", "SLUICE_NUM_THREADS": "1",
+        "SLUICE_NUM_KV_BLOCKS": "256", "SLUICE_MAX_NUM_SEQS": "8", "SLUICE_MAX_NUM_BATCHED_TOKENS": "256",
+        "SLUICE_SERVED_MODEL_NAME": MODEL,
+    }  # fmt: skip
+    command = [sys.executable, "-m", "hypercorn", "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}",
+               "web.asgi:create_asgi_app()"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
+        result = stream_request(httpx.Client(base_url=base_url, timeout=30), "/v1/completions", SHORT)
+        assert result.events[-1] == "[DONE]" and result.events[-2]["choices"][0]["finish_reason"] == "length"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

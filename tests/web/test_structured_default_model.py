@@ -1,0 +1,150 @@
+"""Structured outputs and tool calls on the real default model (SmolLM2-135M-Instruct), through the openai
+client, streaming and not: JSON that parses and validates, calls that name a tool with valid arguments,
+parallel calls, a tool result sent back and a final answer; every request's blocks come back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import openai
+import pytest
+
+from engine.config import EngineConfig
+
+from tests.support.server_harness import ThreadedServer, llm_engine_loader
+
+MODEL = "smollm2"
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "address": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "integer"}},
+                "required": ["city", "zip"],
+            },
+        },
+        "required": ["name", "address"],
+    },
+    "array_of_enums": {
+        "type": "object",
+        "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["colors"],
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {"temperature": {"type": "number"}, "count": {"type": "integer", "minimum": 0, "maximum": 100},
+                       "ok": {"type": "boolean"}},
+        "required": ["temperature", "count", "ok"],
+    },  # fmt: skip
+    "list_of_objects": {
+        "type": "array",
+        "items": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "population": {"type": "integer"}}, "required": ["city", "population"]},
+        "minItems": 1, "maxItems": 2,
+    },  # fmt: skip
+}
+PROMPTS = {
+    "nested": "Give a person's name and address as JSON.",
+    "array_of_enums": "List some colors of the flag of France as JSON.",
+    "numbers": "Describe the weather in Paris as JSON.",
+    "list_of_objects": "Name two big cities and their population as JSON.",
+}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}},
+]  # fmt: skip
+QUESTION = [{"role": "user", "content": "What is the weather in Paris and what time is it in Tokyo?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ThreadedServer]:
+    config = EngineConfig(model="", num_kv_blocks=256, max_num_seqs=16, enable_prefix_caching=False)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
+        yield server
+        engine = server.engine
+        assert not engine.has_unfinished_requests
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def stream_text_and_calls(client: openai.OpenAI, **body) -> tuple[str, list[tuple[str, str]], str | None]:
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **body):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_json_schema_output_parses_and_validates(client: openai.OpenAI, name: str) -> None:
+    schema = SCHEMAS[name]
+    body = dict(
+        messages=[{"role": "user", "content": PROMPTS[name]}], max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+    )  # fmt: skip
+    whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+    assert whole.finish_reason == "stop", whole.message.content
+    jsonschema.validate(json.loads(whole.message.content), schema)
+    streamed, _, finish = stream_text_and_calls(client, **body)
+    assert (streamed, finish) == (whole.message.content, "stop")
+
+
+def test_json_object_on_completions(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=60,
+                                       temperature=0, extra_body={"response_format": {"type": "json_object"}})  # fmt: skip
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.text), dict)
+
+
+def valid_calls(calls: list[tuple[str, str]]) -> None:
+    for name, arguments in calls:
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(arguments), schema)
+
+
+def test_required_tool_calls_in_parallel_streamed_and_not(client: openai.OpenAI) -> None:
+    body = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=0)
+    whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    valid_calls(calls)
+    assert {name for name, _ in calls} == {"get_weather", "get_time"}, calls  # two calls in one answer
+    assert len({c.id for c in whole.message.tool_calls}) == len(calls)
+    assert stream_text_and_calls(client, **body) == ("", calls, "tool_calls")
+
+
+def test_a_named_function_then_its_result_and_a_final_answer(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                           max_tokens=60, temperature=0).choices[0]  # fmt: skip
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.message.tool_calls
+    assert call.function.name == "get_weather"
+    valid_calls([(call.function.name, call.function.arguments)])
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "sunny"})},
+    ]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=60,
+                                           temperature=0).choices[0]  # fmt: skip
+    assert final.finish_reason == "stop" and final.message.content and not final.message.tool_calls
+    assert "<tool_call>" not in final.message.content

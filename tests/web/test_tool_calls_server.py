@@ -1,0 +1,124 @@
+"""Tool calls through the server on tiny models whose chat templates have a tool format (Hermes-style and
+Llama 3-style): the template renders tools and the call history, calls are parsed, and streamed deltas joined
+by the openai client equal the non-streamed calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.support.server_harness import ThreadedServer, llm_engine_loader, tiny_engine_config
+from tests.support.tiny_models import build_tokenizer, save_tiny_llama
+from tests.support.tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+
+
+MODEL = "tiny-tools"
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}}, "required": ["hour"]}}},
+]  # fmt: skip
+MESSAGES = [{"role": "user", "content": "Hello world"}]
+
+
+def tiny_model_with_template(path: Path, template: str, added_tokens: list[str]) -> Path:
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(added_tokens)  # as in Qwen 2.5: <tool_call> is one token, and not a special one
+    tokenizer.chat_template = template
+    return save_tiny_llama(path, tokenizer=tokenizer, vocab_size=len(tokenizer), max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3"])
+def server(request, tmp_path_factory) -> Iterator[ThreadedServer]:
+    if request.param == "hermes":
+        model_dir = tiny_model_with_template(tmp_path_factory.mktemp("hermes"), HERMES_TEMPLATE, ["<tool_call>", "</tool_call>"])
+    else:
+        model_dir = tiny_model_with_template(tmp_path_factory.mktemp("llama3"), LLAMA3_TEMPLATE, [])
+    config = tiny_engine_config(model_dir, max_model_len=2048, num_kv_blocks=1024)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
+        server.family = request.param
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def streamed_calls(client: openai.OpenAI, **body) -> tuple[str | None, list[tuple[str, str]], str]:
+    """The openai client's own reassembly of a stream: content, (name, arguments) per call, finish reason."""
+    content, calls, finish = None, {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **body):
+        choice = chunk.choices[0]
+        delta = choice.delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for call in delta.tool_calls or []:
+            if call.index not in calls:
+                assert call.id and call.type == "function" and call.function.name, "a call's first delta names it"
+                calls[call.index] = [call.function.name, call.function.arguments or ""]
+            else:
+                assert call.id is None and call.function.name is None, "later deltas carry arguments only"
+                calls[call.index][1] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_constrained_calls_stream_as_they_are_returned_whole(client: openai.OpenAI, tool_choice) -> None:
+    # One call: a random model given parallel calls goes on calling until max_tokens.
+    body = dict(messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=200,
+                temperature=0)  # fmt: skip
+    whole = client.chat.completions.create(model=MODEL, **body)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert calls and choice.message.content is None
+    for name, arguments in calls:
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(arguments), schema)
+    if isinstance(tool_choice, dict):
+        assert [name for name, _ in calls] == ["get_time"]
+    assert streamed_calls(client, **body) == (None, calls, "tool_calls")
+
+
+def test_the_template_renders_tools_and_the_call_history(server: ThreadedServer) -> None:
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 degrees"},
+    ]  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        body = {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 8, "temperature": 0}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+        tokens = http.post("/tokenize", json={"model": MODEL, "messages": history}).json()["tokens"]
+        prompt = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert '"name": "get_weather", ' in prompt and "-3 degrees" in prompt
+    if server.family == "hermes":
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}' in prompt
+    else:
+        assert '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}' in prompt
+    assert server.engine.num_free_blocks == server.engine.num_total_blocks
+
+
+def test_auto_lets_the_model_choose_and_the_answer_is_content_or_calls(client: openai.OpenAI) -> None:
+    body = dict(messages=MESSAGES, tools=TOOLS, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+    content, calls, finish = streamed_calls(client, **body)
+    assert content == whole.message.content
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert finish == whole.finish_reason
