@@ -146,7 +146,7 @@ def report(results: dict[str, dict[str, dict[str, float]]]) -> None:
             print(f"{n} {level}: " + "; ".join(parts))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Sluice's model (default: config.toml's)")
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (omitted: skipped)")
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--open-max-tokens", type=int, default=64)
     parser.add_argument("--open-rounds", type=int, default=3, help="requests per stream at each open level")
     parser.add_argument("--log-dir", default="/tmp/sluice-bench-speculative")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.modes = args.modes.split(",")
     args.open_streams = [int(s) for s in args.open_streams.split(",") if s]
     asyncio.run(main_async(args))

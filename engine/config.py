@@ -12,6 +12,7 @@ from engine.speculative.speculator import SpeculativeConfig
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
+PRECISIONS = ("exact", "int8")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class EngineConfig:
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
     quantize: str = "auto"  # "auto" | "none": the native step / weight-only quantised kernels, or dense only
+    precision: str = "exact"  # the native step's activations: "exact" (int16 steps) | "int8" (twice the rate)
     speculative: str = "off"  # "auto" | "on" | "off": draft-free speculative decoding (engine/speculative/)
     speculative_k: int = 8  # most draft tokens verified per sequence per step
     speculative_ngram_min: int = 2
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if self.quantize not in ("auto", "none"):
             raise ValueError(f"quantize must be 'auto' or 'none', got {self.quantize!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         self.speculative_config  # checks the speculative_* keys
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(

@@ -111,7 +111,8 @@ def _native_backend(checkpoint: Any, config: EngineConfig, max_positions: int) -
     if reason is not None:
         log.warning("the native step cannot run this model (%s); using the eager PyTorch path", reason)
         return None
-    backend = NativeBackend(ops, checkpoint.hf_config, checkpoint.tensors, max_positions)
+    backend = NativeBackend(ops, checkpoint.hf_config, checkpoint.tensors, max_positions, config.precision)
+    log.info("native step: %s kernels, precision %s", ops.isa(), config.precision)
     for type_name, layouts in sorted(backend.plan.exact.items()):
         log.info("native step: %s tensors run on their own grid (%s layout)", type_name, "/".join(sorted(layouts)))
     for type_name, layouts in sorted(backend.plan.requantised.items()):

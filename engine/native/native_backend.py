@@ -158,7 +158,8 @@ def _norm(tensor: StoredTensor | None, unit_offset: bool = False) -> torch.Tenso
 class NativeBackend:
     name = "native"
 
-    def __init__(self, ops: ModuleType, cfg: Any, tensors: Mapping[str, StoredTensor], max_positions: int) -> None:
+    def __init__(self, ops: ModuleType, cfg: Any, tensors: Mapping[str, StoredTensor], max_positions: int,
+                 precision: str = "exact") -> None:  # fmt: skip
         heads, kv_heads, head_dim = _attn_sizes(cfg)
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, kv_heads, head_dim
         self.vocab_size = int(cfg.vocab_size)
@@ -176,6 +177,7 @@ class NativeBackend:
             self.vocab_size, embed.qs, embed.scale, head.qs, head.scale,
             _norm(tensors["model.norm.weight"], self.is_gemma), cos.contiguous(), sin.contiguous(),
         )  # fmt: skip
+        self.impl.set_precision(precision)
         if self.is_gemma:
             cap = getattr(cfg, "final_logit_softcapping", None) or 0.0
             attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5

@@ -116,15 +116,19 @@ def pack_q8_grid(q: torch.Tensor, scale: torch.Tensor) -> Q8Packed:
     return Q8Packed(pairs, _tiles(scale.half()), n)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """The activations the Q4 kernel multiplies with: each row's groups of 32 rounded to int16 steps of
-    max|x| / 32767 (as float [M, K]; the kernel adds the exact group sums of x for the minimums' term)."""
+INT16_STEPS = 32767.0  # precision "exact": activations in int16 steps of max|x| / 32767 per group
+INT8_STEPS = 127.0  # precision "int8": in int8 steps of max|x| / 127 (llama.cpp's Q8_0 activations)
+
+
+def quantize_activations(x: torch.Tensor, qmax: float = INT16_STEPS) -> torch.Tensor:
+    """The activations the Q4 kernel multiplies with: each row's groups of 32 rounded to steps of max|x| / qmax
+    (as float [M, K]; the kernel adds the exact group sums of x for the minimums' term)."""
     m, k = x.shape
     groups = x.float().view(m, k // GROUP, GROUP)
     amax = groups.abs().amax(-1, keepdim=True)
     # a true division, as the kernel's (`127.0 / tensor` multiplies by a reciprocal: ties round differently)
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
-    return (torch.round(groups * inv) * (amax / 32767)).view(m, k)
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / qmax)).view(m, k)
 
 
 def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,11 +136,11 @@ def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return quantize_activations(x).double() @ dequantize_q8(w).double().T
 
 
-def q4_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def q4_reference(x: torch.Tensor, w: torch.Tensor, qmax: float = INT16_STEPS) -> torch.Tensor:
     """What the Q4 kernel computes for x [M, K] and the float weight w [N, K], in float64 (without bias)."""
     q, scale, lo = q4_grid(w)
     n, k = w.shape
-    xq = quantize_activations(x).double().view(x.shape[0], -1, GROUP)
+    xq = quantize_activations(x, qmax).double().view(x.shape[0], -1, GROUP)
     xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, G]
     dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP))  # [M, N, G]
     return (dots * scale.double()[None]).sum(-1) + xsum @ lo.double().T

@@ -23,7 +23,7 @@ from engine.model_runner import ModelRunner
 import engine.native as engine_native
 from engine.loader import load_model
 from engine.native import native_ops
-from engine.native.packing import dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference, q8_reference
+from engine.native.packing import INT8_STEPS, dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference, q8_reference
 
 from tests.support.engine_helpers import hf_greedy
 from tests.support.runner_parity import BLOCK_SIZE, ParityRun, RecordingSampler
@@ -103,6 +103,65 @@ def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: 
                 assert torch.equal(torch.cat([ops.q8_linear(x[i : i + 1], q8.qs, q8.scale, n) for i in range(m)]), y8)
     finally:
         ops.set_isa("best")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_activation_kernel_matches_its_reference_and_rows_are_independent(isa: str) -> None:
+    """precision "int8": activations in int8 steps of max|x| / 127 per group of 32, exact integer sums (vpdpbusd
+    on AVX-512, pmaddubsw on AVX2, the int16 kernel on the same values on the baseline)."""
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    ops.set_isa(isa)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for n, k in [(64, 32), (100, 64), (576, 576), (200, 1536)]:
+            w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            q4 = pack_q4(w, b)
+            for m in (1, 7, 8, 9, 33):
+                x = torch.randn(m, k, generator=gen)
+                x[0, 5] = 0.0  # zeros, and a group with one outlier
+                x[-1, :32] *= 1e-3
+                x[-1, 7] = 40.0
+                y = ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True)
+                reference = q4_reference(x, w, INT8_STEPS) + b.double()
+                torch.testing.assert_close(y.double(), reference, atol=2e-4, rtol=1e-5)
+                alone = [ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True) for i in range(m)]
+                assert torch.equal(torch.cat(alone), y)
+    finally:
+        ops.set_isa("best")
+
+
+def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
+    """The VNNI and the pmaddubsw kernels make the same integer sums and the same float operations after them."""
+    isas = [isa for isa in ("avx512", "avx2") if isa in available_isas()]
+    if len(isas) < 2:
+        pytest.skip("this CPU runs only one of avx512 and avx2")
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(200, 1536, generator=gen), torch.randn(33, 1536, generator=gen)
+    q4 = pack_q4(w, None)
+    try:
+        outs = []
+        for isa in isas:
+            ops.set_isa(isa)
+            outs.append(ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, 200, is_int8=True))
+    finally:
+        ops.set_isa("best")
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_precision_is_checked_and_int8_greedy_output_is_batch_invariant(grid_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="precision"):
+        EngineConfig(precision="int4")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 17, 40, 9, 33)]
+
+    def make(**overrides) -> LLM:
+        return LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=256, max_num_seqs=8, precision="int8", **overrides)
+
+    assert make().engine.runner.backend.name == "native"
+    alone, *others = greedy_runs(make, prompts)
+    for other in others:
+        assert other == alone
 
 
 def test_quantisers_reproduce_a_grid_exactly() -> None:

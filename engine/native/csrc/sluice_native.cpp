@@ -41,6 +41,14 @@ inline vi dot2_bcast(vi acc, vi w, const short* x) {
   return (vi)a;
 }
 inline vi dot2(vi acc, vi w, vi x) { return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
+// Per lane the 4 products of w's unsigned bytes with the 4 signed bytes at x (broadcast in the instruction).
+inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
+  __m512i a = (__m512i)acc;
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"((__m512i)w), "m"(*(const int*)x));
+  return (vi)a;
+}
+// int8 activations run the 16-lane vpdpbusd kernel
+constexpr int INT8_GEMM_WIDTH = 16;
 inline vi round_to_int(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
 inline void store_s16x16(short* p, vi v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vi load_s8x32_as_s16(const signed char* p) {
@@ -49,6 +57,7 @@ inline vi load_s8x32_as_s16(const signed char* p) {
 // The 16-lane GEMMs: one zmm per tile, 32 registers hold the 8-row micro-kernel.
 constexpr bool USE_GEMM8 = false;
 constexpr int GEMM8_ROWS = 8;
+constexpr int GEMM8_ROWS_INT8 = 8;
 typedef vf attn_vec;
 constexpr int ATTN_REGS = 32;
 // 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
@@ -63,6 +72,14 @@ inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
 }
+// Per 16-bit lane, the 2 products of w's unsigned bytes with the signed bytes x[0..3] repeated (pmaddubsw); then
+// adjacent 16-bit lanes summed into 32 bits.
+inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
+  int quad;
+  __builtin_memcpy(&quad, x, 4);
+  return (vs16)_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(quad));
+}
+inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm256_set1_epi16(1)); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -129,6 +146,8 @@ inline void store_s16x16(short* p, vi v) {
 // 16 ymm: 4 rows' integer and float accumulators (8) + the weights, their unpacked pair and the mask.
 constexpr bool USE_GEMM8 = true;
 constexpr int GEMM8_ROWS = 4;
+// int8: 8 rows' 16-bit sums + the weights' two quads, two broadcasts and the ones of the widening
+constexpr int GEMM8_ROWS_INT8 = 8;
 typedef vf8 attn_vec;  // one ymm
 constexpr int ATTN_REGS = 16;
 // 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
@@ -142,6 +161,22 @@ inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi
 inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+}
+// Per 16-bit lane, the 2 products of w's unsigned bytes with the signed bytes x[0..3] repeated (pmaddubsw); then
+// adjacent 16-bit lanes summed into 32 bits.
+inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
+  int quad;
+  __builtin_memcpy(&quad, x, 4);
+  return (vs16)_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(quad));
+}
+inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm256_set1_epi16(1)); }
+// int8 activations run the 8-lane pmaddubsw kernel
+constexpr int INT8_GEMM_WIDTH = 8;
+// Not used by this variant's GEMMs (the kernels compile every path): plain C.
+inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
+  for (int i = 0; i < 16; i++)
+    for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
+  return acc;
 }
 }  // namespace
 #include "kernels.inc"
@@ -202,6 +237,7 @@ inline void store_s16x16(short* p, vi v) {
 typedef int vi4 __attribute__((vector_size(16)));
 constexpr bool USE_GEMM8 = true;
 constexpr int GEMM8_ROWS = 2;
+constexpr int GEMM8_ROWS_INT8 = 2;
 typedef vf8 attn_vec;  // two xmm
 constexpr int ATTN_REGS = 8;
 inline vi8 madd8(vi8 w, vi8 x) {
@@ -231,6 +267,27 @@ inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   for (int i = 0; i < 8; i++) v[i] = (int)(unsigned short)(short)p[2 * i] | ((int)(short)p[2 * i + 1] << 16);
   return v;
 }
+inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
+  vs16 r;
+  for (int i = 0; i < 16; i++) {
+    const unsigned word = (unsigned)w[i / 2], b = (i % 2) * 16;
+    r[i] = (short)((int)((word >> b) & 0xFF) * x[(2 * i) % 4] + (int)((word >> (b + 8)) & 0xFF) * x[(2 * i + 1) % 4]);
+  }
+  return r;
+}
+inline vi8 widen_pairs8(vs16 v) {
+  vi8 r;
+  for (int i = 0; i < 8; i++) r[i] = (int)v[2 * i] + (int)v[2 * i + 1];
+  return r;
+}
+// SSE2 has no byte dot product: int8 activations run the int16 kernel on their int16 values (the same bits).
+constexpr int INT8_GEMM_WIDTH = 0;
+// Not used by this variant's GEMMs (the kernels compile every path): plain C.
+inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
+  for (int i = 0; i < 16; i++)
+    for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
+  return acc;
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
@@ -240,7 +297,9 @@ namespace {
 struct Kernels {
   std::string name;
   decltype(&isa_base::q4_gemm) q4_gemm;
-  decltype(&isa_base::quantize_q16) quantize_q16;
+  decltype(&isa_base::quantize) quantize;
+  decltype(&isa_base::pack_x8) pack_x8;
+  decltype(&isa_base::q4_gemm_i8) q4_gemm_i8;
   decltype(&isa_base::q8_gemm) q8_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
@@ -257,7 +316,7 @@ struct Kernels {
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::quantize_q16, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
+    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
         ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::read_stream \
   }
 
@@ -328,22 +387,30 @@ struct Q4Linear {
     }
   }
 
-  // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised to int16 once.
-  void run(const float* x, long ldx, int M, float* y, long ldy) const {
+  // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised once, to int16 steps
+  // (precision "exact") or int8 steps (is_int8: twice the multiply-add rate, llama.cpp's activations).
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8 = false) const {
     const int tiles = (N + 15) / 16, G = K / 32;
     const Kernels& kern = kernels();
     std::vector<short> xq((size_t)M * K);
+    std::vector<signed char> x8(is_int8 ? (size_t)M * K : 0);
     std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
+    const float qmax = is_int8 ? 127.0f : 32767.0f;
     at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; r++)
-        kern.quantize_q16(x + r * ldx, K, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+      for (int64_t r = r0; r < r1; r++) {
+        kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+        if (is_int8) kern.pack_x8(xq.data() + r * K, K, x8.data() + r * K);
+      }
     });
     const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
     const unsigned char* q = qs.data_ptr<unsigned char>();
     const unsigned short *s = half_bits(scale), *m = half_bits(minv);
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      kern.q4_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+      if (is_int8)
+        kern.q4_gemm_i8(q, s, m, k, n, b, xq.data(), x8.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+      else
+        kern.q4_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 };
@@ -368,7 +435,7 @@ struct Q8Matrix {
     std::vector<short> xq((size_t)M * K);
     std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
     for (int r = 0; r < M; r++)
-      kern.quantize_q16(x + r * ldx, K, xq.data() + (size_t)r * K, sx.data() + (size_t)r * G, xsum.data() + (size_t)r * G);
+      kern.quantize(x + r * ldx, K, 32767.0f, xq.data() + (size_t)r * K, sx.data() + (size_t)r * G, xsum.data() + (size_t)r * G);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
     const int k = K, n = N;
@@ -397,13 +464,14 @@ struct Layer {
 
 const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N) {
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N,
+                     bool is_int8) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   const int M = x.size(0), K = x.size(1);
   Q4Linear w(qs, scale, minv, bias, K, N);
   at::Tensor y = at::empty({M, (int64_t)N}, x.options());
-  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N);
+  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N, is_int8);
   return y;
 }
 
@@ -516,6 +584,12 @@ class NativeLlama {
                             Q4Linear(o[0], o[1], o[2], o[3], heads_ * D_, H_),
                             Q4Linear(gate_up[0], gate_up[1], gate_up[2], gate_up[3], H_, 2 * I_),
                             Q4Linear(down[0], down[1], down[2], down[3], I_, H_)});
+  }
+
+  // "exact": the layers' activations in int16 steps; "int8": in int8 steps (twice the rate). The lm_head stays int16.
+  void set_precision(const std::string& precision) {
+    TORCH_CHECK(precision == "exact" || precision == "int8", "precision must be \"exact\" or \"int8\"");
+    is_int8_ = precision == "int8";
   }
 
   // Gemma's: embeddings times sqrt(hidden), scores times query_pre_attn_scalar^-1/2, GeGLU, capped logits.
@@ -634,7 +708,7 @@ class NativeLlama {
           kern.add_rmsnorm(h + i * H, pending ? pending + i * H : nullptr, layer.input_norm.data_ptr<float>(),
                            eps_, H, xn.data() + i * H, nullptr);
       });
-      layer.qkv.run(xn.data(), H, (int)T, qkv.data(), QKV);
+      layer.qkv.run(xn.data(), H, (int)T, qkv.data(), QKV, is_int8_);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
           float* row = qkv.data() + i * QKV;
@@ -686,21 +760,21 @@ class NativeLlama {
         }
       });
       const int AD = heads_ * D;
-      layer.o.run(attn.data(), AD, (int)T, out.data(), H);
+      layer.o.run(attn.data(), AD, (int)T, out.data(), H, is_int8_);
       if (layer.attn_out_norm.defined()) normalize_rows(out.data(), T, layer.attn_out_norm);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
           kern.add_rmsnorm(h + i * H, out.data() + i * H, layer.post_norm.data_ptr<float>(), eps_, H,
                            xn.data() + i * H, nullptr);
       });
-      layer.gate_up.run(xn.data(), H, (int)T, gu.data(), 2 * I);
+      layer.gate_up.run(xn.data(), H, (int)T, gu.data(), 2 * I, is_int8_);
       at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
           if (gelu_tanh_) kern.gelu_tanh_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
           else kern.silu_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
         }
       });
-      layer.down.run(act.data(), I, (int)T, out.data(), H);
+      layer.down.run(act.data(), I, (int)T, out.data(), H, is_int8_);
       if (layer.mlp_out_norm.defined()) normalize_rows(out.data(), T, layer.mlp_out_norm);
     }
     for (int64_t i = 0; i < (int64_t)T * H; i++) h[i] += out[i];
@@ -744,7 +818,7 @@ class NativeLlama {
   int64_t num_blocks_ = 0, block_size_ = 0;
   bool kv_bf16_ = false;
   float embed_scale_ = 1.0f, attn_scale_ = 1.0f, final_softcap_ = 0.0f;
-  bool gelu_tanh_ = false;
+  bool gelu_tanh_ = false, is_int8_ = false;
 };
 
 }  // namespace
@@ -754,7 +828,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("isa", &isa);
   m.def("set_isa", &set_isa);
-  m.def("q4_linear", &q4_linear, release());
+  m.def("q4_linear", &q4_linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("minv"), py::arg("bias"),
+        py::arg("n"), py::arg("is_int8") = false, release());
   m.def("q8_linear", &q8_linear, release());
   m.def("madd_peak", &madd_peak, release());
   m.def("read_stream", &read_stream, release());
@@ -764,6 +839,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &NativeLlama::add_layer)
       .def("set_model_options", &NativeLlama::set_model_options)
+      .def("set_precision", &NativeLlama::set_precision)
       .def("set_layer_options", &NativeLlama::set_layer_options)
       .def("set_kv_caches", &NativeLlama::set_kv_caches)
       .def("forward", &NativeLlama::forward, release())
