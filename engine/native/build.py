@@ -18,7 +18,7 @@ from engine.native import BUILD_DIR, MODULE_NAME
 SOURCE = Path(__file__).resolve().parent / "csrc" / "sluice_native.cpp"
 # -ffp-contract=fast: a * b + c becomes one FMA everywhere, the same way in every kernel (batch invariance
 # needs one fixed sequence of operations per row, whatever it is).
-CFLAGS = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-Wno-unused-function", "-Wno-psabi"]
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-Wno-unused-function", "-Wno-psabi"]
 
 
 def compile_command(output: Path) -> list[str]:
