@@ -99,7 +99,7 @@ class LLMEngine:
             raise RuntimeError("abort() during a forward pass: apply aborts between steps")
         outputs = []
         for seq in self.requests.pop(request_id, []):
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.scheduler.finish(seq)
             outputs += self.output_processor.final(seq, FinishReason.ABORT)
         return outputs
 
@@ -304,7 +304,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
             self.speculator.on_finished(seq.output_token_ids)
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq)
         live = self.requests[seq.request_id]
         live.remove(seq)
         if not live:

@@ -28,12 +28,13 @@ class OutputProcessor:
         text, stop_str = seq.detokenizer.step(token_id, can_stop)
         is_grammar_done = seq.matcher is not None and _advance_grammar(seq.matcher, token_id)
         reason: FinishReason | None = None
+        stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         if stop_str is not None:
-            reason, seq.stop_reason = FinishReason.STOP, stop_str
+            reason, stop_reason = FinishReason.STOP, stop_str
         elif can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             reason = FinishReason.STOP
         elif can_stop and token_id in seq.stop_token_ids:
-            reason, seq.stop_reason = FinishReason.STOP, token_id
+            reason, stop_reason = FinishReason.STOP, token_id
         elif is_grammar_done:  # the output is complete: nothing but EOS could follow
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -46,7 +47,7 @@ class OutputProcessor:
         if reason is not None:
             if stop_str is None:
                 out.text_delta += seq.detokenizer.flush()
-            out.finished, out.finish_reason, out.stop_reason = True, reason, seq.stop_reason
+            out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
         return out
 
     def final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:

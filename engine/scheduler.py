@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.outputs import FinishReason
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.speculator import Speculator
 
@@ -147,7 +146,7 @@ class Scheduler:
         self.block_manager.free(parent)
         parent.status = SequenceStatus.FINISHED
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence) -> None:
         """End a sequence wherever it is (waiting, prefilling, decoding) and free its blocks. Idempotent."""
         if seq.status is SequenceStatus.FINISHED:
             return
@@ -157,4 +156,3 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason

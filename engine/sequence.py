@@ -1,4 +1,7 @@
-"""Per-request state: tokens, KV progress, status. Pure Python; only the event-loop thread mutates it."""
+"""Per-choice state: tokens, KV progress, status. Pure Python; only the event-loop thread mutates it.
+
+How a choice ended (its FinishReason, the stop string or token) is not kept here: the output processor puts it in
+the choice's last delta (RequestOutput), and the async engine's Request records it per choice."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import time
 from engine.batch import SampledToken
 from engine.detokenizer import IncrementalDetokenizer
 from engine.input_processor import PreparedRequest
-from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.speculative.speculator import SeqSpeculation
 
@@ -61,8 +63,6 @@ class Sequence:
         self.logprobs: list[SampledToken] | None = [] if params.logprobs is not None else None
         # Per prompt position when asked for: the first token has none (nothing comes before it).
         self.prompt_logprobs: list[SampledToken | None] | None = [None] if params.prompt_logprobs is not None else None
-        self.finish_reason: FinishReason | None = None
-        self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
         self.speculation: SeqSpeculation | None = None  # the speculator's state, made at its first proposal
 

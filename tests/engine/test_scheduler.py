@@ -32,7 +32,7 @@ def run_step(sched: Scheduler) -> list:
         seq = chunk.seq
         seq.output_token_ids.append(7)
         if seq.num_output_tokens >= seq.max_tokens:
-            sched.finish(seq, "length")
+            sched.finish(seq)
     return chunks
 
 
@@ -102,10 +102,10 @@ def test_finish_frees_blocks_from_any_state():
     waiting = add(sched, 0, 30, 4)
     sched.schedule()  # prefilling: 8 of 30 tokens scheduled, blocks held
     assert bm.num_free_blocks < bm.num_blocks
-    sched.finish(waiting, "abort")
-    sched.finish(waiting, "abort")  # idempotent
+    sched.finish(waiting)
+    sched.finish(waiting)  # idempotent
     queued = add(sched, 1, 3, 4)
-    sched.finish(queued, "abort")
+    sched.finish(queued)
     assert not sched.has_unfinished and bm.num_free_blocks == bm.num_blocks
 
 
