@@ -98,18 +98,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--precision", default=None, help="the native step's activations: exact or int8 (config.toml's)")
     args = parser.parse_args(argv)
 
     from engine import LLM
 
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(args.num_requests, 1), enable_prefix_caching=False)
-    model_dir = str(llm.engine.model_path)
+    precision = {"precision": args.precision} if args.precision else {}
+    llm = LLM(dtype=args.dtype, max_num_seqs=max(args.num_requests, 1), enable_prefix_caching=False, **precision)
+    model_dir, precision = str(llm.engine.model_path), llm.engine.config.precision
     prompts = make_prompts(llm.tokenizer, args.num_requests, args.prompt_tokens)
     sluice = bench_sluice(args, llm, prompts)
     del llm
     gc.collect()
     hf = bench_transformers(args, model_dir, prompts)
-    print(f"model: {model_dir}  dtype: {args.dtype}  threads: {torch.get_num_threads()}")
+    print(f"model: {model_dir}  dtype: {args.dtype}  precision: {precision}  "
+          f"threads: {torch.get_num_threads()}")  # fmt: skip
     print(f"prompts: {args.num_requests} x {args.prompt_tokens} tokens, {args.output_tokens} output tokens, greedy\n")
     print(f"| {'metric':<34} | {'Sluice':>9} | {'transformers':>12} | {'ratio':>6} |")
     print(f"|{'-' * 36}|{'-' * 11}|{'-' * 14}|{'-' * 8}|")

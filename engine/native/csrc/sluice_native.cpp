@@ -396,7 +396,7 @@ struct Q4Linear {
     std::vector<signed char> x8(is_int8 ? (size_t)M * K : 0);
     std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
     const float qmax = is_int8 ? 127.0f : 32767.0f;
-    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; r++) {
         kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
         if (is_int8) kern.pack_x8(xq.data() + r * K, K, x8.data() + r * K);
@@ -703,13 +703,13 @@ class NativeLlama {
       const float* sin = (layer.sin.defined() ? layer.sin : sin_).data_ptr<float>();
       const float *q_norm = data_or_null(layer.q_norm), *k_norm = data_or_null(layer.k_norm);
       const float* pending = l == 0 ? nullptr : out.data();  // the previous layer's MLP output, not yet added
-      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+      at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
           kern.add_rmsnorm(h + i * H, pending ? pending + i * H : nullptr, layer.input_norm.data_ptr<float>(),
                            eps_, H, xn.data() + i * H, nullptr);
       });
       layer.qkv.run(xn.data(), H, (int)T, qkv.data(), QKV, is_int8_);
-      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+      at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++) {
           float* row = qkv.data() + i * QKV;
           if (q_norm)
@@ -762,16 +762,24 @@ class NativeLlama {
       const int AD = heads_ * D;
       layer.o.run(attn.data(), AD, (int)T, out.data(), H, is_int8_);
       if (layer.attn_out_norm.defined()) normalize_rows(out.data(), T, layer.attn_out_norm);
-      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+      at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; i++)
           kern.add_rmsnorm(h + i * H, out.data() + i * H, layer.post_norm.data_ptr<float>(), eps_, H,
                            xn.data() + i * H, nullptr);
       });
       layer.gate_up.run(xn.data(), H, (int)T, gu.data(), 2 * I, is_int8_);
-      at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t i = r0; i < r1; i++) {
-          if (gelu_tanh_) kern.gelu_tanh_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
-          else kern.silu_mul(gu.data() + i * 2 * I, gu.data() + i * 2 * I + I, I, act.data() + i * I);
+      // in slices of each row, so that a decode step of a few rows keeps both threads busy (elementwise: the
+      // same bits however it is cut)
+      constexpr int SLICE = 256;
+      const int num_slices = (I + SLICE - 1) / SLICE;
+      at::parallel_for(0, T * num_slices, 4, [&](int64_t w0, int64_t w1) {
+        for (int64_t w = w0; w < w1; w++) {
+          const int64_t i = w / num_slices, c0 = (w % num_slices) * SLICE;
+          const int len = (int)std::min<int64_t>(SLICE, I - c0);
+          const float *gate = gu.data() + i * 2 * I + c0, *up = gate + I;
+          float* dst = act.data() + i * I + c0;
+          if (gelu_tanh_) kern.gelu_tanh_mul(gate, up, len, dst);
+          else kern.silu_mul(gate, up, len, dst);
         }
       });
       layer.down.run(act.data(), I, (int)T, out.data(), H, is_int8_);
@@ -803,7 +811,7 @@ class NativeLlama {
   // rows [T, hidden] of x replaced by their RMSNorm times w, in place
   void normalize_rows(float* x, int64_t T, const at::Tensor& w) const {
     const Kernels& kern = kernels();
-    at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, T, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0; i < r1; i++) kern.add_rmsnorm(x + i * H_, nullptr, w.data_ptr<float>(), eps_, H_, x + i * H_, nullptr);
     });
   }
