@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,18 @@ def available_isas() -> list[str]:
     return found
 
 
+@contextmanager
+def on_isa(isa: str) -> Iterator[None]:
+    """The kernels of variant `isa` inside (the test is skipped where this CPU lacks it), the best ones after."""
+    if isa not in available_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    ops.set_isa(isa)
+    try:
+        yield
+    finally:
+        ops.set_isa("best")
+
+
 def on_native_grids(path: Path) -> Path:
     """Move a saved model's matrices onto the native grids (as a GGUF's weights are): Q4_1 for the layers'
     linears, Q8_0 for the embedding and lm_head."""
@@ -77,10 +91,7 @@ def grid_variant_dir(request, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: str) -> None:
-    if isa not in available_isas():
-        pytest.skip(f"this CPU has no {isa}")
-    ops.set_isa(isa)
-    try:
+    with on_isa(isa):
         gen = torch.Generator().manual_seed(0)
         for n, k in [(64, 32), (100, 64), (576, 576), (200, 1536)]:
             w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
@@ -101,18 +112,13 @@ def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: 
                 exact8 = x.double() @ dequantize_q8(w).double().T
                 assert (y8.double() - exact8).abs().max() < 1e-3 * exact8.abs().max()
                 assert torch.equal(torch.cat([ops.q8_linear(x[i : i + 1], q8.qs, q8.scale, n) for i in range(m)]), y8)
-    finally:
-        ops.set_isa("best")
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_int8_activation_kernel_matches_its_reference_and_rows_are_independent(isa: str) -> None:
     """precision "int8": activations in int8 steps of max|x| / 127 per group of 32, exact integer sums (vpdpbusd
     on AVX-512, pmaddubsw on AVX2, the int16 kernel on the same values on the baseline)."""
-    if isa not in available_isas():
-        pytest.skip(f"this CPU has no {isa}")
-    ops.set_isa(isa)
-    try:
+    with on_isa(isa):
         gen = torch.Generator().manual_seed(3)
         for n, k in [(64, 32), (100, 64), (576, 576), (200, 1536)]:
             w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
@@ -127,8 +133,6 @@ def test_int8_activation_kernel_matches_its_reference_and_rows_are_independent(i
                 torch.testing.assert_close(y.double(), reference, atol=2e-4, rtol=1e-5)
                 alone = [ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True) for i in range(m)]
                 assert torch.equal(torch.cat(alone), y)
-    finally:
-        ops.set_isa("best")
 
 
 def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
