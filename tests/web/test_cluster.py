@@ -1,5 +1,5 @@
 """`sluice serve --replicas 2`: two engine replicas on a local Ray cluster (one compute thread each) behind the
-front, on the tiny model. One server for the module (Ray's start is slow), tests in order: the last two kill a
+front, on the tiny model. One server for the module (Ray's start is slow), tests in order: the last three hang or kill a
 replica and drain the front."""
 
 from __future__ import annotations
@@ -103,6 +103,19 @@ def terminal_events(events: list[Any]) -> list[Any]:
     return [e for e in events if isinstance(e, dict) and ("error" in e or any(c.get("finish_reason") for c in e["choices"]))]
 
 
+def assert_some_failed_and_the_rest_finished(results: list[tuple[int, list[Any]]]) -> None:
+    """The failed replica's streams end with one error event, the other replica's finish normally; each stream
+    has exactly one terminal event, then [DONE]."""
+    assert all(status == 200 for status, _ in results)
+    ends = [terminal_events(events) for _, events in results]
+    assert all(len(end) == 1 for end in ends), "exactly one terminal event per stream"
+    assert all(events[-1] == "[DONE]" for _, events in results)
+    failed = [end[0] for end in ends if "error" in end[0]]
+    finished = [end[0] for end in ends if "error" not in end[0]]
+    assert failed and finished, (len(failed), len(finished))
+    assert all(e["choices"][0]["finish_reason"] == "length" for e in finished)
+
+
 def test_openai_client_streams_and_not_as_one_process(cluster: ClusterServer, llm) -> None:
     from openai import OpenAI
 
@@ -182,6 +195,33 @@ def test_every_replica_full_is_told_429_with_retry_after(cluster: ClusterServer)
     wait_until(lambda: idle(cluster), timeout=30)
 
 
+def test_a_hung_replica_leaves_the_routing_ends_its_streams_and_is_replaced(cluster: ClusterServer) -> None:
+    """A replica process that stops answering altogether (SIGSTOP: its own watchdog cannot run either) leaves the
+    routing at the front's next unanswered poll; Ray Serve's health check replaces it, and only its streams end
+    with an error event."""
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=300) as client, ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stream_events, client, body) for _ in range(8)]
+        wait_until(lambda: all(r["running"] > 0 for r in cluster.replicas()), timeout=30, interval=0.05)
+        victim = cluster.replicas()[1]
+        os.kill(victim["pid"], signal.SIGSTOP)
+        try:
+            wait_until(lambda: not cluster.replicas()[1]["ready"], timeout=15, interval=0.2)
+            answer = client.post("/v1/completions", json={**body, "max_tokens": 4})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
+            results = [f.result(timeout=300) for f in futures]
+        finally:
+            try:
+                os.kill(victim["pid"], signal.SIGCONT)  # only if a failed assertion left it stopped
+            except ProcessLookupError:
+                pass
+    assert_some_failed_and_the_rest_finished(results)
+    wait_until(lambda: cluster.replicas()[1]["ready"] and cluster.replicas()[1]["pid"] != victim["pid"],
+               timeout=START_TIMEOUT, interval=1.0)  # fmt: skip
+    assert cluster.replicas()[1]["restarts"] == 1
+    wait_until(lambda: idle(cluster), timeout=30)
+
+
 def test_a_killed_replica_ends_its_own_streams_and_the_other_finishes(cluster: ClusterServer) -> None:
     body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True}
     with httpx.Client(base_url=cluster.base_url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
@@ -193,14 +233,7 @@ def test_a_killed_replica_ends_its_own_streams_and_the_other_finishes(cluster: C
         # At once, new requests go to the living replica.
         answer = client.post("/v1/completions", json={**body, "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
-    assert all(status == 200 for status, _ in results)
-    ends = [terminal_events(events) for _, events in results]
-    assert all(len(end) == 1 for end in ends), "exactly one terminal event per stream"
-    assert all(events[-1] == "[DONE]" for _, events in results)
-    failed = [end[0] for end in ends if "error" in end[0]]
-    finished = [end[0] for end in ends if "error" not in end[0]]
-    assert failed and finished, (len(failed), len(finished))
-    assert all(e["choices"][0]["finish_reason"] == "length" for e in finished)
+    assert_some_failed_and_the_rest_finished(results)
     # Ray Serve starts a replacement, which rejoins the routing with an empty prefix memory.
     wait_until(lambda: cluster.replicas()[0]["ready"] and cluster.replicas()[0]["pid"] != victim["pid"],
                timeout=START_TIMEOUT, interval=1.0)  # fmt: skip

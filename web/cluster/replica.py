@@ -52,8 +52,10 @@ class ReplicaFacts:
 @serve.deployment(
     num_replicas=1,
     max_ongoing_requests=100_000,  # the front bounds admission (max_num_seqs + max_pending a replica)
+    # A hung process (no answer at all: the in-process watchdog cannot run) is replaced after Ray Serve's 3
+    # missed checks: about 3 x 10 s.
     health_check_period_s=2.0,
-    health_check_timeout_s=30.0,
+    health_check_timeout_s=10.0,
     graceful_shutdown_timeout_s=5.0,
     logging_config={"enable_access_log": False, "log_level": "WARNING"},  # no line per call of every stream
 )
