@@ -2,7 +2,7 @@
 checkpoint's stored tensors (one at a time; no model object, no float copy of the model), then one C++ call for
 all layers of a step and one for the logits, each releasing the GIL for its whole run.
 
-Each linear is packed on the file's own grid where the kernels hold it exactly (Q4_0 / Q4_1 layers, Q8_0 / Q4_0 /
+Each linear is packed on the file's own grid where the kernels hold it exactly (Q4_0 / Q4_1 / Q4_K layers, Q8_0 / Q4_0 /
 Q5_0 embedding and head); any other stored type is dequantised alone and re-quantised onto Q4_1 / Q8_0, and
 `plan` says so per tensor (the loader logs it).
 """
@@ -25,7 +25,6 @@ from engine.native.packing import (
     TILE,
     Q4Packed,
     Q8Packed,
-    can_pack_q4_exactly,
     pack_q4,
     pack_q4_grid,
     pack_q8,
@@ -37,7 +36,7 @@ from engine.step_backend import StepHidden
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 HEAD_DIMS = (16, 32, 64, 128, 256)
 UNIT_OFFSET_NORMS = ("gemma3_text",)  # norms scale by 1 + w (the stored w is Hugging Face's)
-Q4_EXACT = ("Q4_0", "Q4_1")  # the layers' Q4 layout holds these grids bit for bit
+Q4_EXACT = ("Q4_0", "Q4_1", "Q4_K")  # the layers' Q4 layout holds these grids bit for bit
 Q8_EXACT = ("Q8_0", "Q4_0", "Q5_0")  # symmetric per-32 grids: q - offset fits int8, the scale float16
 
 
@@ -93,12 +92,9 @@ def _q4_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q4Packed]:
     for chunk in _row_chunks(tensor):
         if exact:
             grid = grid_of(chunk)
-            scale, minv = torch.from_numpy(grid.scale), torch.from_numpy(grid.minv)
-            if can_pack_q4_exactly(scale, minv):
-                yield pack_q4_grid(torch.from_numpy(grid.q), scale, minv, None)
-                continue
-            exact = False
-        yield pack_q4(chunk.to_float(), None)
+            yield pack_q4_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), torch.from_numpy(grid.minv), None)
+        else:
+            yield pack_q4(chunk.to_float(), None)
     plan.note(tensor.type_name, "Q4", exact)
 
 

@@ -1,7 +1,8 @@
-"""Weights in the native kernels' tile layouts (see csrc/kernels.inc): Q4_1 for the layers' linears, Q8_0 for the
-token embedding and lm_head. Both quantisers reproduce a GGUF file's grid exactly when the float weights came
-from one (Q4_1: every group holds its minimum at q = 0 and its maximum at q = 15; Q8_0: its absolute maximum
-at |q| = 127), so the native model computes with the file's own values.
+"""Weights in the native kernels' tile layouts (see csrc/kernels.inc): Q4 (4-bit q, a scale and a minimum per
+group of 32) for the layers' linears, Q8_0 for the token embedding and lm_head. A file's Q4_0 / Q4_1 / Q4_K grids
+are packed as they are (pack_q4_grid); float weights are quantised onto Q4_1 / Q8_0, and both quantisers
+reproduce a GGUF file's grid exactly when the float weights came from one (Q4_1: every group holds its minimum at
+q = 0 and its maximum at q = 15; Q8_0: its absolute maximum at |q| = 127).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ PACK_ROWS = 1024  # rows packed at a time (a multiple of TILE)
 @dataclass
 class Q4Packed:
     qs: torch.Tensor  # uint8 [N/16 * K/8 * 16 * 4]: per tile, per octet of K, per row a uint32 of 8 nibbles
-    scale: torch.Tensor  # float16 [N/16 * K/32 * 16]
-    minv: torch.Tensor  # float16, same shape
+    scale: torch.Tensor  # float16 [N/16 * K/32 * 16], or float32 where float16 cannot hold the file's (Q4_K)
+    minv: torch.Tensor  # the same dtype and shape
     bias: torch.Tensor  # float32 [N], or empty
     n: int
 
@@ -88,7 +89,9 @@ def can_pack_q4_exactly(scale: torch.Tensor, minv: torch.Tensor) -> bool:
 
 
 def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
-    """q [N, K] in 0..15 (any integer dtype), scale / minv [N, K/32] (rounded to float16)."""
+    """q [N, K] in 0..15 (any integer dtype), scale / minv [N, K/32]: kept in float16 when float16 holds every
+    one of them (Q4_0, Q4_1: half the bytes to read), else in float32 (Q4_K's d * sc_j, dmin * m_j)."""
+    scale_dtype = torch.float16 if can_pack_q4_exactly(scale, minv) else torch.float32
     n, k = q.shape
     padded = -(-n // TILE) * TILE
     q, scale, minv = _pad_rows(q, padded), _pad_rows(scale.float(), padded), _pad_rows(minv.float(), padded)
@@ -103,7 +106,11 @@ def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias:
         octets[r * k // 2 : (r + rows.shape[0]) * k // 2] = octet_bytes.transpose(1, 2).reshape(-1)
     empty = torch.empty(0, dtype=torch.float32)
     return Q4Packed(
-        octets, _tiles(scale.half()), _tiles(minv.half()), empty if bias is None else bias.float().contiguous(), n
+        octets,
+        _tiles(scale.to(scale_dtype)),
+        _tiles(minv.to(scale_dtype)),
+        empty if bias is None else bias.float().contiguous(),
+        n,
     )
 
 
@@ -138,12 +145,19 @@ def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def q4_reference(x: torch.Tensor, w: torch.Tensor, qmax: float = INT16_STEPS) -> torch.Tensor:
     """What the Q4 kernel computes for x [M, K] and the float weight w [N, K], in float64 (without bias)."""
-    q, scale, lo = q4_grid(w)
-    n, k = w.shape
+    return q4_grid_reference(x, *q4_grid(w), qmax)
+
+
+def q4_grid_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, qmax: float = INT16_STEPS
+) -> torch.Tensor:
+    """What the Q4 kernel computes for x [M, K] and the grid w = q * scale + minv (q [N, K], scale / minv
+    [N, K/32]), in float64 (without bias)."""
+    n, k = q.shape
     xq = quantize_activations(x, qmax).double().view(x.shape[0], -1, GROUP)
     xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, G]
     dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP))  # [M, N, G]
-    return (dots * scale.double()[None]).sum(-1) + xsum @ lo.double().T
+    return (dots * scale.double()[None]).sum(-1) + xsum @ minv.double().T
 
 
 def dequantize_q4(w: torch.Tensor) -> torch.Tensor:

@@ -14,18 +14,34 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from bench.synthetic_gguf import random_blocks
 from engine import LLM, SamplingParams
+from engine.checkpoint.block_grids import grid_of
+from engine.checkpoint.stored_tensor import StoredTensor
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 import engine.native as engine_native
 from engine.loader import load_model
 from engine.native import native_ops
-from engine.native.packing import INT8_STEPS, dequantize_q4, dequantize_q8, pack_q4, pack_q8, q4_reference, q8_reference
+from engine.native.packing import (
+    INT8_STEPS,
+    INT16_STEPS,
+    can_pack_q4_exactly,
+    dequantize_q4,
+    dequantize_q8,
+    pack_q4,
+    pack_q4_grid,
+    pack_q8,
+    q4_grid_reference,
+    q4_reference,
+    q8_reference,
+)
 
 from tests.support.engine_helpers import hf_greedy
 from tests.support.runner_parity import BLOCK_SIZE, ParityRun, RecordingSampler
@@ -133,6 +149,33 @@ def test_int8_activation_kernel_matches_its_reference_and_rows_are_independent(i
                 torch.testing.assert_close(y.double(), reference, atol=2e-4, rtol=1e-5)
                 alone = [ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True) for i in range(m)]
                 assert torch.equal(torch.cat(alone), y)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q4_k_weights_run_on_their_own_grid_in_both_precisions(isa: str) -> None:
+    """A Q4_K tensor's grid (scales d * sc_j and minimums dmin * m_j, which float16 cannot hold) is packed with
+    float32 scales: the kernel multiplies the file's own weights, in both precisions, rows independent."""
+    rng = np.random.default_rng(4)
+    gen = torch.Generator().manual_seed(4)
+    with on_isa(isa):
+        for n, k in [(48, 256), (208, 768)]:
+            grid = grid_of(StoredTensor((n, k), "Q4_K", lambda: random_blocks(rng, "Q4_K", n, k)))
+            q, scale, minv = (torch.from_numpy(a) for a in (grid.q, grid.scale, grid.minv))
+            assert not can_pack_q4_exactly(scale, minv)  # a real test of the float32 layout
+            packed = pack_q4_grid(q, scale, minv, None)
+            assert packed.scale.dtype == torch.float32
+            w = torch.from_numpy(grid.dequantize()).double()
+            for m in (1, 5, 8, 33):
+                x = torch.randn(m, k, generator=gen)
+                for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
+                    y = ops.q4_linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n, is_int8=is_int8)
+                    torch.testing.assert_close(y.double(), q4_grid_reference(x, q, scale, minv, qmax), atol=2e-4, rtol=1e-5)
+                    alone = [ops.q4_linear(x[i : i + 1], packed.qs, packed.scale, packed.minv, packed.bias, n,
+                                           is_int8=is_int8) for i in range(m)]  # fmt: skip
+                    assert torch.equal(torch.cat(alone), y)
+                exact = x.double() @ w.T  # the file's weights, within int16 rounding of the activations
+                y = ops.q4_linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n)
+                assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
 
 
 def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:

@@ -377,8 +377,10 @@ struct Q4Linear {
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q4 linear: K must be a positive multiple of 32");
     TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 8,
                 "Q4 linear: bad qs");
-    check_f16(scale, "scale");
-    check_f16(minv, "minv");
+    // float16 scales as Q4_0 / Q4_1 store them, or float32 where the file's are products (Q4_K)
+    TORCH_CHECK((scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) && scale.is_contiguous() &&
+                    minv.scalar_type() == scale.scalar_type() && minv.is_contiguous(),
+                "Q4 linear: scale and minv must be contiguous, both float16 or both float32");
     TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16 && minv.numel() == scale.numel(),
                 "Q4 linear: bad scales");
     if (bias.defined() && bias.numel()) {
@@ -404,13 +406,15 @@ struct Q4Linear {
     });
     const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
     const unsigned char* q = qs.data_ptr<unsigned char>();
-    const unsigned short *s = half_bits(scale), *m = half_bits(minv);
+    const void *s = scale.data_ptr(), *m = minv.data_ptr();
+    const bool f32 = scale.scalar_type() == at::kFloat;
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       if (is_int8)
-        kern.q4_gemm_i8(q, s, m, k, n, b, xq.data(), x8.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+        kern.q4_gemm_i8(q, s, m, f32, k, n, b, xq.data(), x8.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0,
+                        (int)t1);
       else
-        kern.q4_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+        kern.q4_gemm(q, s, m, f32, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 };
