@@ -106,7 +106,7 @@ def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: tuple[flo
         weight_bytes = p.qs.numel() + 2 * p.scale.numel() * 2
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return ops.q4_linear(x, p.qs, p.scale, p.minv, p.bias, shape.n)
+            return ops.linear(x, p.qs, p.scale, p.minv, p.bias, shape.n)
     else:
         p8 = pack_q8(w)
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2

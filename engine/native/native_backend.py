@@ -2,9 +2,10 @@
 checkpoint's stored tensors (one at a time; no model object, no float copy of the model), then one C++ call for
 all layers of a step and one for the logits, each releasing the GIL for its whole run.
 
-Each linear is packed on the file's own grid where the kernels hold it exactly (Q4_0 / Q4_1 / Q4_K layers, Q8_0 / Q4_0 /
-Q5_0 embedding and head); any other stored type is dequantised alone and re-quantised onto Q4_1 / Q8_0, and
-`plan` says so per tensor (the loader logs it).
+Each linear is packed on the file's own grid: the layers' Q4_0 / Q4_1 / Q4_K in the Q4 layout, their Q5_x / Q6_K /
+Q8_0 (and any linear fused with one of those) in the Q8 layer layout, a Q8_0 / Q4_0 / Q5_0 embedding and head in
+the Q8 layout. Float tensors and types without a grid here are quantised onto Q4_1 / Q8_0 (the head's K-quants
+too: its Q8 layout has one float16 scale per 32), and `plan` says so per tensor (the loader logs it).
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ from typing import Any
 import torch
 
 from engine.batch import StepBatch
-from engine.checkpoint.block_grids import grid_of
+from engine.checkpoint.block_grids import UNPACKERS, grid_of
 from engine.checkpoint.stored_tensor import StoredTensor
 from engine.native.packing import (
     GROUP,
     PACK_ROWS,
     TILE,
     Q4Packed,
+    Q8LayerPacked,
     Q8Packed,
     pack_q4,
     pack_q4_grid,
     pack_q8,
     pack_q8_grid,
+    pack_q8_layer_grid,
+    q8_grid,
 )
 from engine.rope import layer_window, rope_tables
 from engine.step_backend import StepHidden
@@ -98,20 +102,47 @@ def _q4_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q4Packed]:
     plan.note(tensor.type_name, "Q4", exact)
 
 
-def _q4_linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> Q4Packed:
-    """Linears sharing an input, fused along N (q, k, v or gate, up), in the Q4 layout: each part packed on its
-    own, chunk by chunk, and the tiles joined (whole tiles when every N is a multiple of the tile height); the
-    stored tensors are released once packed."""
+def _q8_layer_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q8LayerPacked]:
+    """Every grid block_grids unpacks has its q within int8: exact in the Q8 layer layout. Other types (float
+    tensors, quant types without a grid here) are quantised onto Q8_0's grid."""
+    exact = tensor.type_name in UNPACKERS
+    for chunk in _row_chunks(tensor):
+        if exact:
+            grid = grid_of(chunk)
+            minv = None if grid.minv is None else torch.from_numpy(grid.minv)
+            yield pack_q8_layer_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), minv, None)
+        else:
+            yield pack_q8_layer_grid(*q8_grid(chunk.to_float()), None, None)
+    plan.note(tensor.type_name, "Q8 layer", exact)
+
+
+def _joined_q8_layer(pieces: list[Q8LayerPacked], bias: torch.Tensor | None, n: int) -> Q8LayerPacked:
+    """Pieces' tiles joined; a symmetric piece gets zero minimums when another piece has some."""
+    minv = torch.empty(0)
+    if any(p.minv.numel() for p in pieces):
+        minv = torch.cat([p.minv if p.minv.numel() else torch.zeros(p.scale.numel() // 2) for p in pieces])
+    b = bias if bias is not None else torch.empty(0)
+    return Q8LayerPacked(torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]), minv, b, n)
+
+
+def _linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> Q4Packed | Q8LayerPacked:
+    """Linears sharing an input, fused along N (q, k, v or gate, up): in the Q4 layout when every part is a 4-bit
+    grid (or float, quantised onto Q4_1), else in the Q8 layer layout, each part on its own grid. Each part is
+    packed on its own, chunk by chunk, and the tiles joined (whole tiles when every N is a multiple of the tile
+    height); the stored tensors are released once packed."""
     try:
         b = torch.cat([t.to_float() for t in bias]) if bias else None
+        n = sum(t.shape[0] for t in parts)
         if any(t.shape[0] % TILE for t in parts):  # tiny models only: fuse the float rows, then pack
             for t in parts:
                 plan.note(t.type_name, "Q4", False)
             return pack_q4(torch.cat([t.to_float() for t in parts]), b)
+        if any(t.type_name in UNPACKERS and t.type_name not in Q4_EXACT for t in parts):
+            return _joined_q8_layer([piece for t in parts for piece in _q8_layer_pieces(t, plan)], b, n)
         pieces = [piece for t in parts for piece in _q4_pieces(t, plan)]
         return Q4Packed(
             torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]),
-            torch.cat([p.minv for p in pieces]), b if b is not None else torch.empty(0), sum(t.shape[0] for t in parts),
+            torch.cat([p.minv for p in pieces]), b if b is not None else torch.empty(0), n,
         )  # fmt: skip
     finally:
         _released(parts + (bias or []))
@@ -198,7 +229,7 @@ class NativeBackend:
             biases = [tensors.get(prefix + n + ".bias") for n in names]
             if any(b is not None for b in biases) and not all(b is not None for b in biases):
                 raise ValueError(f"{prefix}{names}: some of the fused projections have a bias, not all")
-            p = _q4_linear(parts, biases if biases[0] is not None else None, self.plan)
+            p = _linear(parts, biases if biases[0] is not None else None, self.plan)
             return [p.qs, p.scale, p.minv, p.bias]
 
         # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention

@@ -26,6 +26,17 @@ class Q4Packed:
 
 
 @dataclass
+class Q8LayerPacked:
+    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits."""
+
+    qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2], as Q8Packed's
+    scale: torch.Tensor  # float32 [N/16 * K/16 * 16]: one per 16 weights along K
+    minv: torch.Tensor  # float32 [N/16 * K/32 * 16], or empty (symmetric grids)
+    bias: torch.Tensor  # float32 [N], or empty
+    n: int
+
+
+@dataclass
 class Q8Packed:
     qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2]: per tile, per column pair, per row the pair
     scale: torch.Tensor  # float16 [N/16 * K/32 * 16]
@@ -123,6 +134,27 @@ def pack_q8_grid(q: torch.Tensor, scale: torch.Tensor) -> Q8Packed:
     return Q8Packed(pairs, _tiles(scale.half()), n)
 
 
+def pack_q8_layer_grid(
+    q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bias: torch.Tensor | None
+) -> Q8LayerPacked:
+    """q [N, K] within int8, scale [N, K/16] or [N, K/32] (a group-32 grid: each scale serves both halves), minv
+    [N, K/32] or None; all exact in float32, as the file's grid is."""
+    n, k = q.shape
+    if scale.shape[1] == k // GROUP:
+        scale = scale.repeat_interleave(2, dim=1)
+    padded = -(-n // TILE) * TILE
+    q8 = _pad_rows(q.to(torch.int8), padded)
+    pairs = q8.view(-1, TILE, k // 2, 2).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/2, 16, 2]
+    empty = torch.empty(0, dtype=torch.float32)
+    return Q8LayerPacked(
+        pairs,
+        _tiles(_pad_rows(scale.float(), padded)),
+        empty if minv is None else _tiles(_pad_rows(minv.float(), padded)),
+        empty if bias is None else bias.float().contiguous(),
+        n,
+    )
+
+
 INT16_STEPS = 32767.0  # precision "exact": activations in int16 steps of max|x| / 32767 per group
 INT8_STEPS = 127.0  # precision "int8": in int8 steps of max|x| / 127 (llama.cpp's Q8_0 activations)
 
@@ -171,3 +203,16 @@ def dequantize_q8(w: torch.Tensor) -> torch.Tensor:
     q, scale = q8_grid(w)
     n, k = w.shape
     return (q.view(n, -1, GROUP).float() * scale[..., None]).view(n, k)
+
+
+def q8_layer_reference(
+    x: torch.Tensor, q: torch.Tensor, scale16: torch.Tensor, minv: torch.Tensor | None, qmax: float = INT16_STEPS
+) -> torch.Tensor:
+    """What the Q8 layer kernel computes for x [M, K] and w = q * scale16 (+ minv per 32), in float64."""
+    n, k = q.shape
+    xq = quantize_activations(x, qmax).double().view(x.shape[0], -1, GROUP // 2)
+    dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP // 2))  # [M, N, K/16]
+    y = (dots * scale16.double()[None]).sum(-1)
+    if minv is not None:
+        y = y + x.double().view(x.shape[0], -1, GROUP).sum(-1) @ minv.double().T
+    return y

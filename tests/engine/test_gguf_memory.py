@@ -15,9 +15,11 @@ from bench.synthetic_gguf import write_llama_gguf
 from engine.native import native_ops
 
 # Memory of a load beyond the file and the KV pool: the tokenizer and config (~60 MiB for SmolLM2's vocabulary),
-# the extra bytes of layouts re-quantised for types without an exact kernel yet (Q4_K -> Q4_1 with float16
-# scales: +11%; Q6_K -> Q8: +30%), one row chunk of a tensor unpacked or dequantised (1024 rows), one fused
-# linear's packed pieces before they are joined. Measured on this file: +526 MiB peak over the libraries.
+# the extra bytes of the packed layouts over the file's blocks (Q4_K in the Q4 layout with float32 scales: +33%;
+# a Q6_K head re-quantised onto Q8: +30%), one row chunk of a tensor unpacked or dequantised (1024 rows), one
+# fused linear's packed pieces before they are joined. Measured on this file: +505 MiB peak over the libraries
+# (+526 MiB when Q4_K was re-quantised onto Q4_1). Layers of 5- to 8-bit grids take more (the Q8 layer layout: 11 bits a
+# weight against Q5_0's 5.5 and Q6_K's 6.6): the README states it; this file has none.
 LOAD_OVERHEAD_BYTES = 256 << 20
 
 MEASURE = """

@@ -38,8 +38,10 @@ from engine.native.packing import (
     pack_q4,
     pack_q4_grid,
     pack_q8,
+    pack_q8_layer_grid,
     q4_grid_reference,
     q4_reference,
+    q8_layer_reference,
     q8_reference,
 )
 
@@ -114,14 +116,14 @@ def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: 
             q4, q8 = pack_q4(w, b), pack_q8(w)
             for m in (1, 7, 8, 33):
                 x = torch.randn(m, k, generator=gen)
-                y = ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n)
+                y = ops.linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n)
                 # int8 activations: exact integer dot products, float32 scaling
                 torch.testing.assert_close(y.double(), q4_reference(x, w) + b.double(), atol=2e-4, rtol=1e-5)
                 # and within int16 rounding of the float product (measured: under 1e-4 of the largest output)
                 exact = x.double() @ dequantize_q4(w).double().T + b.double()
                 assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
                 # each row alone gives the same bits as in any batch (the batch-invariance invariant)
-                alone = torch.cat([ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n) for i in range(m)])
+                alone = torch.cat([ops.linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n) for i in range(m)])
                 assert torch.equal(alone, y)
                 y8 = ops.q8_linear(x, q8.qs, q8.scale, n)
                 torch.testing.assert_close(y8.double(), q8_reference(x, w), atol=2e-4, rtol=1e-5)
@@ -144,10 +146,10 @@ def test_int8_activation_kernel_matches_its_reference_and_rows_are_independent(i
                 x[0, 5] = 0.0  # zeros, and a group with one outlier
                 x[-1, :32] *= 1e-3
                 x[-1, 7] = 40.0
-                y = ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True)
+                y = ops.linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True)
                 reference = q4_reference(x, w, INT8_STEPS) + b.double()
                 torch.testing.assert_close(y.double(), reference, atol=2e-4, rtol=1e-5)
-                alone = [ops.q4_linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True) for i in range(m)]
+                alone = [ops.linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True) for i in range(m)]
                 assert torch.equal(torch.cat(alone), y)
 
 
@@ -168,14 +170,57 @@ def test_q4_k_weights_run_on_their_own_grid_in_both_precisions(isa: str) -> None
             for m in (1, 5, 8, 33):
                 x = torch.randn(m, k, generator=gen)
                 for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
-                    y = ops.q4_linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n, is_int8=is_int8)
+                    y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n, is_int8=is_int8)
                     torch.testing.assert_close(y.double(), q4_grid_reference(x, q, scale, minv, qmax), atol=2e-4, rtol=1e-5)
-                    alone = [ops.q4_linear(x[i : i + 1], packed.qs, packed.scale, packed.minv, packed.bias, n,
+                    alone = [ops.linear(x[i : i + 1], packed.qs, packed.scale, packed.minv, packed.bias, n,
                                            is_int8=is_int8) for i in range(m)]  # fmt: skip
                     assert torch.equal(torch.cat(alone), y)
                 exact = x.double() @ w.T  # the file's weights, within int16 rounding of the activations
-                y = ops.q4_linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n)
+                y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n)
                 assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_layer_layout_runs_every_grid_type_on_its_own_values(isa: str) -> None:
+    """Q5_0, Q5_1, Q5_K, Q6_K (scales per 16), Q8_0, and a 4-bit grid: packed as the file holds them, the kernel
+    multiplies the file's own weights in both precisions, with and without a bias, rows independent."""
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    with on_isa(isa):
+        for type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q4_K"):
+            n, k = 48, 512
+            grid = grid_of(StoredTensor((n, k), type_name, lambda: random_blocks(rng, type_name, n, k)))
+            q = torch.from_numpy(grid.q)
+            scale, minv = torch.from_numpy(grid.scale), None if grid.minv is None else torch.from_numpy(grid.minv)
+            bias = torch.randn(n, generator=gen)
+            packed = pack_q8_layer_grid(q, scale, minv, bias)
+            scale16 = scale.repeat_interleave(grid.group // 16, dim=1)
+            w = torch.from_numpy(grid.dequantize()).double()
+            for m in (1, 5, 8, 33):
+                x = torch.randn(m, k, generator=gen)
+                for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
+                    y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n, is_int8=is_int8)
+                    expected = q8_layer_reference(x, q, scale16, minv, qmax) + bias.double()
+                    torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-5)
+                    alone = [ops.linear(x[i : i + 1], packed.qs, packed.scale, packed.minv, packed.bias, n,
+                                        is_int8=is_int8) for i in range(m)]  # fmt: skip
+                    assert torch.equal(torch.cat(alone), y)
+                exact = x.double() @ w.T + bias.double()  # the file's weights, within int16 rounding
+                y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n)
+                assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max(), type_name
+
+
+def test_q8_layer_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
+    """16 lanes and 8: the same integer sums, the same float operations per lane (baseline x86-64 has no FMA)."""
+    rng = np.random.default_rng(6)
+    grid = grid_of(StoredTensor((64, 256), "Q6_K", lambda: random_blocks(rng, "Q6_K", 64, 256)))
+    packed = pack_q8_layer_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), None, None)
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(6))
+    outputs = []
+    for isa in [isa for isa in ("avx512", "avx2") if isa in available_isas()]:
+        with on_isa(isa):
+            outputs.append(ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, 64))
+    assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
 
 
 def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
@@ -190,7 +235,7 @@ def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
         outs = []
         for isa in isas:
             ops.set_isa(isa)
-            outs.append(ops.q4_linear(x, q4.qs, q4.scale, q4.minv, q4.bias, 200, is_int8=True))
+            outs.append(ops.linear(x, q4.qs, q4.scale, q4.minv, q4.bias, 200, is_int8=True))
     finally:
         ops.set_isa("best")
     assert torch.equal(outs[0], outs[1])

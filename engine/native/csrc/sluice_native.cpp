@@ -301,6 +301,7 @@ struct Kernels {
   decltype(&isa_base::pack_x8) pack_x8;
   decltype(&isa_base::q4_gemm_i8) q4_gemm_i8;
   decltype(&isa_base::q8_gemm) q8_gemm;
+  decltype(&isa_base::q8l_gemm) q8l_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
   decltype(&isa_base::silu_mul) silu_mul;
@@ -316,7 +317,7 @@ struct Kernels {
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
+    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8l_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
         ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::read_stream \
   }
 
@@ -419,6 +420,72 @@ struct Q4Linear {
   }
 };
 
+// A layer's linear in the Q8 layer layout of kernels.inc (q8l_micro): the file's own grid for the types whose q
+// needs more than 4 bits (Q5_x, Q6_K, Q8_0); minv and bias optional (empty tensors).
+struct Q8Linear {
+  at::Tensor qs, scale, minv, bias;
+  int K = 0, N = 0;
+
+  Q8Linear() = default;
+  Q8Linear(at::Tensor qs_, at::Tensor scale_, at::Tensor minv_, at::Tensor bias_, int K_, int N_)
+      : qs(qs_), scale(scale_), minv(minv_), bias(bias_), K(K_), N(N_) {
+    const int tiles = (N + 15) / 16;
+    TORCH_CHECK(K % 32 == 0 && K > 0, "Q8 linear: K must be a positive multiple of 32");
+    TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 16,
+                "Q8 linear: bad qs");
+    check_f32(scale, "scale");
+    TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 16) * 16, "Q8 linear: bad scales");
+    if (minv.defined() && minv.numel()) {
+      check_f32(minv, "minv");
+      TORCH_CHECK(minv.numel() == (int64_t)tiles * (K / 32) * 16, "Q8 linear: bad minv");
+    }
+    if (bias.defined() && bias.numel()) {
+      check_f32(bias, "bias");
+      TORCH_CHECK(bias.numel() == N, "Q8 linear: bad bias");
+    }
+  }
+
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8 = false) const {
+    const int tiles = (N + 15) / 16, G = K / 32;
+    const Kernels& kern = kernels();
+    std::vector<short> xq((size_t)M * K);
+    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
+    const float qmax = is_int8 ? 127.0f : 32767.0f;
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++)
+        kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+    });
+    const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
+    const float* m = minv.defined() && minv.numel() ? minv.data_ptr<float>() : nullptr;
+    const signed char* q = qs.data_ptr<signed char>();
+    const float* s = scale.data_ptr<float>();
+    const int k = K, n = N;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      kern.q8l_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+    });
+  }
+};
+
+// A layer's linear in either layout, told apart by the dtype of its q: uint8 nibbles (Q4) or int8 (Q8 layer).
+struct Linear {
+  Q4Linear q4;
+  Q8Linear q8;
+  bool is_q8 = false;
+
+  Linear() = default;
+  Linear(const std::vector<at::Tensor>& t, int K, int N) {
+    TORCH_CHECK(t.size() == 4, "a linear is [qs, scale, minv, bias]");
+    is_q8 = t[0].scalar_type() == at::kChar;
+    if (is_q8) q8 = Q8Linear(t[0], t[1], t[2], t[3], K, N);
+    else q4 = Q4Linear(t[0], t[1], t[2], t[3], K, N);
+  }
+
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
+    if (is_q8) q8.run(x, ldx, M, y, ldy, is_int8);
+    else q4.run(x, ldx, M, y, ldy, is_int8);
+  }
+};
+
 struct Q8Matrix {
   at::Tensor qs, scale;
   int K = 0, N = 0;
@@ -458,7 +525,7 @@ struct Q8Matrix {
 
 struct Layer {
   at::Tensor input_norm, post_norm;
-  Q4Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
   // options (set_layer_options); an undefined tensor is an absent step
   at::Tensor q_norm, k_norm;  // [D] scales of each query / key head's RMSNorm, before the rotation (Qwen 3, Gemma 3)
   at::Tensor attn_out_norm, mlp_out_norm;  // [hidden] norms of the attention / MLP output before its residual add
@@ -468,12 +535,13 @@ struct Layer {
 
 const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N,
-                     bool is_int8) {
+// One layer linear of either layout (the dtype of qs tells which), as the step runs it.
+at::Tensor linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N,
+                  bool is_int8) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   const int M = x.size(0), K = x.size(1);
-  Q4Linear w(qs, scale, minv, bias, K, N);
+  Linear w({qs, scale, minv, bias}, K, N);
   at::Tensor y = at::empty({M, (int64_t)N}, x.options());
   w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N, is_int8);
   return y;
@@ -584,10 +652,8 @@ class NativeLlama {
     check_f32(input_norm, "input_norm");
     check_f32(post_norm, "post_norm");
     const int qkv_n = (heads_ + 2 * kv_heads_) * D_;
-    layers_.push_back(Layer{input_norm, post_norm, Q4Linear(qkv[0], qkv[1], qkv[2], qkv[3], H_, qkv_n),
-                            Q4Linear(o[0], o[1], o[2], o[3], heads_ * D_, H_),
-                            Q4Linear(gate_up[0], gate_up[1], gate_up[2], gate_up[3], H_, 2 * I_),
-                            Q4Linear(down[0], down[1], down[2], down[3], I_, H_)});
+    layers_.push_back(Layer{input_norm, post_norm, Linear(qkv, H_, qkv_n), Linear(o, heads_ * D_, H_),
+                            Linear(gate_up, H_, 2 * I_), Linear(down, I_, H_)});
   }
 
   // "exact": the layers' activations in int16 steps; "int8": in int8 steps (twice the rate). The lm_head stays int16.
@@ -840,7 +906,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("isa", &isa);
   m.def("set_isa", &set_isa);
-  m.def("q4_linear", &q4_linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("minv"), py::arg("bias"),
+  m.def("linear", &linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("minv"), py::arg("bias"),
         py::arg("n"), py::arg("is_int8") = false, release());
   m.def("q8_linear", &q8_linear, release());
   m.def("madd_peak", &madd_peak, release());
