@@ -29,6 +29,12 @@ def parse_status(text: str) -> tuple[int, int]:
     return rss_kib * 1024, threads
 
 
+def read_memory(pid: int, proc: Path = PROC) -> tuple[int, int]:
+    """(VmRSS, VmHWM: the peak resident set) in bytes. Raises OSError once the process is gone."""
+    fields = dict(line.split(":", 1) for line in (proc / str(pid) / "status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
 def count_fds(pid: int, proc: Path = PROC) -> int:
     return len(os.listdir(proc / str(pid) / "fd"))
 

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.client import Target
+from bench.proc import read_memory
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CB_NUM_BLOCKS = 256
@@ -27,6 +28,7 @@ class ManagedServer:
     target: Target
     process: subprocess.Popen
     log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -99,6 +101,7 @@ async def wait_ready(server: ManagedServer, timeout: float = 600.0) -> None:
                 except httpx.HTTPError:
                     break
                 if response.status_code == 200:
+                    _report_memory(server, f"ready after {time.monotonic() - server.started_at:.1f} s")
                     return
                 if response.status_code != 404:
                     break
@@ -115,9 +118,19 @@ def focus(started: dict[str, ManagedServer], name: str | None) -> None:
             os.killpg(server.process.pid, signal.SIGCONT if is_measured else signal.SIGSTOP)
 
 
+def _report_memory(server: ManagedServer, when: str) -> None:
+    """The server process's resident memory now and its peak so far (the peak at stop covers load and run)."""
+    try:
+        rss, peak = read_memory(server.process.pid)
+    except (OSError, KeyError, ValueError):
+        return
+    print(f"bench: {server.target.name} {when}: RSS {rss >> 20} MiB, peak RSS {peak >> 20} MiB", file=sys.stderr)
+
+
 def stop(server: ManagedServer, grace: float = 30.0) -> None:
     if server.process.poll() is not None:
         return
+    _report_memory(server, "at stop")
     try:
         os.killpg(server.process.pid, signal.SIGCONT)  # a paused server cannot handle SIGTERM
         os.killpg(server.process.pid, signal.SIGTERM)

@@ -366,6 +366,36 @@ void check_f16(const at::Tensor& t, const char* what) {
 
 const unsigned short* half_bits(const at::Tensor& t) { return (const unsigned short*)t.data_ptr<at::Half>(); }
 
+// The rows of a linear's input, each quantised once per group of 32, to int16 steps (precision "exact") or int8
+// steps (is_int8: llama.cpp's activations), with their group scales and sums; `bytes` also packs the int8 values
+// for the kernels that multiply bytes (pack_x8).
+struct QuantizedRows {
+  std::vector<short> xq;
+  std::vector<signed char> x8;
+  std::vector<float> sx, xsum;
+
+  QuantizedRows(const float* x, long ldx, int M, int K, bool is_int8, bool bytes)
+      : xq((size_t)M * K), x8(bytes ? (size_t)M * K : 0), sx((size_t)M * (K / 32)), xsum(sx.size()) {
+    const Kernels& kern = kernels();
+    const int G = K / 32;
+    const float qmax = is_int8 ? 127.0f : 32767.0f;
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++) {
+        kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+        if (bytes) kern.pack_x8(xq.data() + r * K, K, x8.data() + r * K);
+      }
+    });
+  }
+};
+
+// An optional float32 tensor of n values (empty: absent) as a pointer, or nullptr.
+const float* optional_f32(const at::Tensor& t, int64_t n, const char* what) {
+  if (!t.defined() || !t.numel()) return nullptr;
+  check_f32(t, what);
+  TORCH_CHECK(t.numel() == n, what, ": wrong size");
+  return t.data_ptr<float>();
+}
+
 // A Q4_1 linear in the tile layout of kernels.inc; bias optional (empty tensor).
 struct Q4Linear {
   at::Tensor qs, scale, minv, bias;
@@ -384,38 +414,27 @@ struct Q4Linear {
                 "Q4 linear: scale and minv must be contiguous, both float16 or both float32");
     TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16 && minv.numel() == scale.numel(),
                 "Q4 linear: bad scales");
-    if (bias.defined() && bias.numel()) {
-      check_f32(bias, "bias");
-      TORCH_CHECK(bias.numel() == N, "Q4 linear: bad bias");
-    }
+    optional_f32(bias, N, "Q4 linear: bias");
   }
 
   // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised once, to int16 steps
   // (precision "exact") or int8 steps (is_int8: twice the multiply-add rate, llama.cpp's activations).
   void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8 = false) const {
-    const int tiles = (N + 15) / 16, G = K / 32;
+    const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
-    std::vector<short> xq((size_t)M * K);
-    std::vector<signed char> x8(is_int8 ? (size_t)M * K : 0);
-    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
-    const float qmax = is_int8 ? 127.0f : 32767.0f;
-    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; r++) {
-        kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
-        if (is_int8) kern.pack_x8(xq.data() + r * K, K, x8.data() + r * K);
-      }
-    });
-    const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
+    const QuantizedRows rows(x, ldx, M, K, is_int8, is_int8);
+    const short* xq = rows.xq.data();
+    const float *sx = rows.sx.data(), *xsum = rows.xsum.data();
+    const float* b = optional_f32(bias, N, "bias");
     const unsigned char* q = qs.data_ptr<unsigned char>();
     const void *s = scale.data_ptr(), *m = minv.data_ptr();
     const bool f32 = scale.scalar_type() == at::kFloat;
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       if (is_int8)
-        kern.q4_gemm_i8(q, s, m, f32, k, n, b, xq.data(), x8.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0,
-                        (int)t1);
+        kern.q4_gemm_i8(q, s, m, f32, k, n, b, xq, rows.x8.data(), sx, xsum, M, y, ldy, (int)t0, (int)t1);
       else
-        kern.q4_gemm(q, s, m, f32, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+        kern.q4_gemm(q, s, m, f32, k, n, b, xq, sx, xsum, M, y, ldy, (int)t0, (int)t1);
     });
   }
 };
@@ -435,33 +454,21 @@ struct Q8Linear {
                 "Q8 linear: bad qs");
     check_f32(scale, "scale");
     TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 16) * 16, "Q8 linear: bad scales");
-    if (minv.defined() && minv.numel()) {
-      check_f32(minv, "minv");
-      TORCH_CHECK(minv.numel() == (int64_t)tiles * (K / 32) * 16, "Q8 linear: bad minv");
-    }
-    if (bias.defined() && bias.numel()) {
-      check_f32(bias, "bias");
-      TORCH_CHECK(bias.numel() == N, "Q8 linear: bad bias");
-    }
+    optional_f32(minv, (int64_t)tiles * (K / 32) * 16, "Q8 linear: minv");
+    optional_f32(bias, N, "Q8 linear: bias");
   }
 
   void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8 = false) const {
-    const int tiles = (N + 15) / 16, G = K / 32;
+    const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
-    std::vector<short> xq((size_t)M * K);
-    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
-    const float qmax = is_int8 ? 127.0f : 32767.0f;
-    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; r++)
-        kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
-    });
-    const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
-    const float* m = minv.defined() && minv.numel() ? minv.data_ptr<float>() : nullptr;
+    const QuantizedRows rows(x, ldx, M, K, is_int8, false);
+    const float* b = optional_f32(bias, N, "bias");
+    const float* m = optional_f32(minv, minv.numel(), "minv");
     const signed char* q = qs.data_ptr<signed char>();
     const float* s = scale.data_ptr<float>();
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      kern.q8l_gemm(q, s, m, k, n, b, xq.data(), sx.data(), xsum.data(), M, y, ldy, (int)t0, (int)t1);
+      kern.q8l_gemm(q, s, m, k, n, b, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 };
@@ -501,17 +508,14 @@ struct Q8Matrix {
   }
 
   void run(const float* x, long ldx, int M, float* y, long ldy) const {
-    const int tiles = (N + 15) / 16, G = K / 32;
+    const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
-    std::vector<short> xq((size_t)M * K);
-    std::vector<float> sx((size_t)M * G), xsum((size_t)M * G);
-    for (int r = 0; r < M; r++)
-      kern.quantize(x + r * ldx, K, 32767.0f, xq.data() + (size_t)r * K, sx.data() + (size_t)r * G, xsum.data() + (size_t)r * G);
+    const QuantizedRows rows(x, ldx, M, K, false, false);  // the lm_head stays int16 in either precision
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      kern.q8_gemm(q, s, k, n, xq.data(), sx.data(), M, y, ldy, (int)t0, (int)t1);
+      kern.q8_gemm(q, s, k, n, rows.xq.data(), rows.sx.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 
