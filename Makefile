@@ -43,7 +43,7 @@ bench-offline: install
 
 # every kernel variant this CPU runs (avx512, avx2, baseline) against its measured peaks
 bench-kernels: install
-	$(PY) -m bench.kernels $(ARGS)
+	$(PY) -m bench kernels $(ARGS)
 
 # llama.cpp's llama-server (and llama-bench) for `python -m bench --compare --llama-server PATH`, built outside
 # the repository (default ../peers; LLAMA_DIR=... to choose). Never committed, not part of `make test`.

@@ -22,6 +22,7 @@ MODES: dict[str, tuple[str, str]] = {
     "parallel-sampling": ("bench.experiments.parallel_sampling", "one request with n against n requests"),
     "cluster": ("bench.cluster", "engine replicas against one process, in one run"),
     "route-sim": ("bench.route_sim", "the replica router on a synthetic trace of conversations"),
+    "kernels": ("bench.kernels", "every kernel variant this CPU runs against its measured peaks"),
     "perplexity": ("bench.perplexity", "perplexity and KL divergence of each native precision against float32"),
     "speculative": ("bench.speculative", "speculative decoding on the server: off, auto/on and llama-server"),
 }
