@@ -125,10 +125,13 @@ class ClusterConfig:
     replicas: int = 0  # 0 = one process, no Ray; N = N engine replicas on Ray Serve behind this front
     ray_address: str = ""  # "" = start a local Ray cluster; else join this one ("auto", "10.0.0.1:6379")
     routing: str = "affine"  # one of ROUTING_POLICIES
+    replica_nice: int = 10  # the replicas' scheduling niceness (0-19): a front on the same CPUs runs first
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
             raise ValueError(f"replicas must be an integer >= 0, got {self.replicas!r}")
+        if not isinstance(self.replica_nice, int) or isinstance(self.replica_nice, bool) or not 0 <= self.replica_nice <= 19:
+            raise ValueError(f"replica_nice must be an integer in 0..19, got {self.replica_nice!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
 

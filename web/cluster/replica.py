@@ -61,6 +61,9 @@ class ReplicaFacts:
 )
 class EngineReplica:
     async def __init__(self, config: SluiceConfig, index: int) -> None:  # type: ignore[misc]
+        # Before any compute thread exists (Linux niceness is per thread; new threads inherit it): the engine's
+        # forward passes yield to a front that shares these CPUs.
+        os.nice(config.cluster.replica_nice)
         from engine.llm_engine import LLMEngine  # torch: in the replica's process only
 
         logging.basicConfig(level=config.server.log_level.upper())
