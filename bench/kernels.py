@@ -1,11 +1,12 @@
 """The native kernels on this CPU, per instruction-set variant, against this CPU's measured peaks.
 
-    python -m bench.kernels [--variants avx2,baseline] [--rows 1,8,32,128,512] [--markdown] [--quick]
+    python -m bench kernels [--variants avx2,baseline] [--rows 1,8,32,128,512] [--markdown] [--quick]
 
 For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_ISA forces one in the server):
-- peaks: the GEMM's integer multiply-add in a register-only loop on every thread (multiply-adds/s), and a
-  streaming read of 256 MiB (bytes/s);
-- the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) and the Q8_0 lm_head
+- peaks: the GEMMs' integer multiply-add in a register-only loop on every thread (multiply-adds/s), for the int16
+  kernels' instruction and for the int8 kernels' (vpdpbusd, pmaddubsw), and a streaming read of 256 MiB (bytes/s);
+- the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) with int16 activations
+  ("q4", precision "exact") and int8 ones ("q4i8", precision "int8", against the int8 peak), the Q8_0 lm_head
   (576 -> 49152) for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s and % of the
   read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
@@ -39,7 +40,17 @@ class Shape:
     name: str
     k: int
     n: int
-    kind: str  # "q4" or "q8"
+    kind: str  # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8") or "q8" (the lm_head)
+
+
+@dataclass
+class Peaks:
+    madds: float  # multiply-adds/s of the int16 kernels' instruction, register-only, every thread
+    madds_int8: float  # the same for the int8 kernels' instruction
+    read_bytes: float  # bytes/s of a streaming read
+
+    def madds_for(self, kind: str) -> float:
+        return self.madds_int8 if kind == "q4i8" else self.madds
 
 
 @dataclass
@@ -83,30 +94,35 @@ def best_time(fn: Callable[[], object], repeats: int, min_seconds: float) -> flo
     return best
 
 
-def measure_peaks(ops, quick: bool) -> tuple[float, float]:
-    """(multiply-adds/s of the register-only loop, bytes/s of a streaming read)."""
+def measure_peaks(ops, quick: bool) -> Peaks:
+    """The register-only loops' multiply-adds/s (int16 and int8 instructions) and a streaming read's bytes/s."""
     iterations = 200_000 if quick else 5_000_000
-    best = float("inf")
-    for _ in range(1 if quick else 3):
-        start = CLOCK()
-        macs = ops.madd_peak(iterations)
-        best = min(best, CLOCK() - start)
+
+    def madds(is_int8: bool) -> float:
+        best = float("inf")
+        for _ in range(1 if quick else 3):
+            start = CLOCK()
+            macs = ops.madd_peak(iterations, is_int8)
+            best = min(best, CLOCK() - start)
+        return macs / best
+
     data = torch.ones((16 if quick else 256) << 18)  # 16 or 256 MiB of float32
     seconds = best_time(lambda: ops.read_stream(data), 1 if quick else 3, 0.0 if quick else 0.5)
-    return macs / best, data.numel() * 4 / seconds
+    return Peaks(madds(False), madds(True), data.numel() * 4 / seconds)
 
 
-def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: tuple[float, float], opts) -> list[Row]:
+def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, opts) -> list[Row]:
     from engine.native.packing import pack_q4, pack_q8
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(shape.n, shape.k, generator=gen) * 0.05
-    if shape.kind == "q4":
+    if shape.kind in ("q4", "q4i8"):
         p = pack_q4(w, None)
         weight_bytes = p.qs.numel() + 2 * p.scale.numel() * 2
+        is_int8 = shape.kind == "q4i8"
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return ops.linear(x, p.qs, p.scale, p.minv, p.bias, shape.n)
+            return ops.linear(x, p.qs, p.scale, p.minv, p.bias, shape.n, is_int8=is_int8)
     else:
         p8 = pack_q8(w)
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2
@@ -120,11 +136,12 @@ def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: tuple[flo
         seconds = best_time(lambda: run(x), opts.repeats, opts.min_seconds)
         rate = m * shape.k * shape.n / seconds
         out.append(Row(variant, f"{shape.kind} {shape.name} {shape.k}->{shape.n}", m, seconds, rate,
-                       100 * rate / peaks[0], weight_bytes / seconds, 100 * weight_bytes / seconds / peaks[1]))  # fmt: skip
+                       100 * rate / peaks.madds_for(shape.kind), weight_bytes / seconds,
+                       100 * weight_bytes / seconds / peaks.read_bytes))  # fmt: skip
     return out
 
 
-def attention_rows(ops, variant: str, rows: list[int], peaks: tuple[float, float], opts) -> list[Row]:
+def attention_rows(ops, variant: str, rows: list[int], peaks: Peaks, opts) -> list[Row]:
     """Decode attention: `m` sequences, one query each, `length` keys each, blocks scattered over the cache."""
     length, block = (64, 16) if opts.quick else (512, 16)
     blocks_per_seq = length // block
@@ -142,11 +159,11 @@ def attention_rows(ops, variant: str, rows: list[int], peaks: tuple[float, float
         seconds = best_time(lambda: ops.attention(q, k, v, tables, lengths), opts.repeats, opts.min_seconds)
         kv_bytes = 2 * m * length * KV_HEADS * HEAD_DIM * 2
         out.append(Row(variant, f"decode attention L={length} bf16", m, seconds, m / seconds, None,
-                       kv_bytes / seconds, 100 * kv_bytes / seconds / peaks[1]))  # fmt: skip
+                       kv_bytes / seconds, 100 * kv_bytes / seconds / peaks.read_bytes))  # fmt: skip
     return out
 
 
-def prefill_chunk_row(ops, variant: str, peaks: tuple[float, float], opts) -> Row:
+def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts) -> Row:
     """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions 0..chunk-1)."""
     from engine.native.packing import pack_q4, pack_q8
 
@@ -176,19 +193,20 @@ def prefill_chunk_row(ops, variant: str, peaks: tuple[float, float], opts) -> Ro
     seconds = best_time(lambda: model.forward(ids, pos, pos, rows, tables), opts.repeats, opts.min_seconds)
     linear_macs = chunk * HIDDEN * ((HEADS + 2 * KV_HEADS) * HEAD_DIM + 3 * INTERMEDIATE) + chunk * HEADS * HEAD_DIM * HIDDEN
     return Row(variant, f"prefill chunk {chunk} tok, 1 layer", chunk, seconds, chunk / seconds,
-               100 * linear_macs / seconds / peaks[0], 0.0, None)  # fmt: skip
+               100 * linear_macs / seconds / peaks.madds, 0.0, None)  # fmt: skip
 
 
-def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[tuple[float, float], list[Row]]:
+def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[Row]]:
     from engine.native import use_isa
 
     use_isa(ops, variant)
     try:
         peaks = measure_peaks(ops, opts.quick)
         if opts.quick:
-            shapes = [Shape("small", 64, 96, "q4"), Shape("small", 64, 96, "q8")]
+            shapes = [Shape("small", 64, 96, "q4"), Shape("small", 64, 96, "q4i8"), Shape("small", 64, 96, "q8")]
         else:
             shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
+                      Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4i8"), Shape("down", INTERMEDIATE, HIDDEN, "q4i8"),
                       Shape("lm_head", HIDDEN, VOCAB, "q8")]  # fmt: skip
         results = []
         for shape in shapes:
@@ -200,8 +218,9 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[tuple[float, 
         use_isa(ops, "best")
 
 
-def show(variant: str, peaks: tuple[float, float], rows: list[Row], markdown: bool) -> None:
-    print(f"\n{variant}: register-only multiply-add peak {peaks[0] / 1e9:.1f} G/s, streaming read {peaks[1] / 1e9:.1f} GB/s")
+def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
+    print(f"\n{variant}: register-only multiply-add peak {peaks.madds / 1e9:.1f} G/s (int8: {peaks.madds_int8 / 1e9:.1f}), "
+          f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8")
     header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
     lines = []
     for r in rows:
@@ -260,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         peaks, results = run_variant(ops, variant, rows, args)
         show(variant, peaks, results, args.markdown)
-        report["variants"][variant] = {"madd_peak": peaks[0], "read_bandwidth": peaks[1],
+        report["variants"][variant] = {"madd_peak": peaks.madds, "madd_peak_int8": peaks.madds_int8,
+                                       "read_bandwidth": peaks.read_bytes,
                                        "results": [asdict(r) for r in results]}  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

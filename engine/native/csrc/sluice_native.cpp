@@ -47,6 +47,8 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"((__m512i)w), "m"(*(const int*)x));
   return (vi)a;
 }
+inline vi dot4(vi acc, vi w, vi x) { return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
+inline vs16 maddubs8(vi8 w, vi8 x) { return (vs16)_mm256_maddubs_epi16((__m256i)w, (__m256i)x); }
 // int8 activations run the 16-lane vpdpbusd kernel
 constexpr int INT8_GEMM_WIDTH = 16;
 inline vi round_to_int(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
@@ -170,6 +172,7 @@ inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
   return (vs16)_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(quad));
 }
 inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm256_set1_epi16(1)); }
+inline vs16 maddubs8(vi8 w, vi8 x) { return (vs16)_mm256_maddubs_epi16((__m256i)w, (__m256i)x); }
 // int8 activations run the 8-lane pmaddubsw kernel
 constexpr int INT8_GEMM_WIDTH = 8;
 // Not used by this variant's GEMMs (the kernels compile every path): plain C.
@@ -178,6 +181,7 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
     for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
   return acc;
 }
+inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }  // unused here too
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -288,6 +292,8 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
     for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
   return acc;
 }
+inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }
+inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
@@ -312,13 +318,14 @@ struct Kernels {
   decltype(&isa_base::attend_f32) attend_f32;
   decltype(&isa_base::attend_bf16) attend_bf16;
   decltype(&isa_base::madd_peak) madd_peak;
+  decltype(&isa_base::madd_peak_i8) madd_peak_i8;
   decltype(&isa_base::read_stream) read_stream;
 };
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
     #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8l_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
-        ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::read_stream \
+        ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream \
   }
 
 bool cpu_has_avx512() {
@@ -563,11 +570,14 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, int64_t N) {
 
 // For the kernel benchmark: the multiply-adds of `iterations` turns of the register-only dot2 loop on every thread
 // of the pool (as the GEMMs run), and the sum of a float32 tensor read once (a streaming read).
-int64_t madd_peak(int64_t iterations) {
+// is_int8: the int8 kernels' instruction instead (vpdpbusd, pmaddubsw; the int16 one where int8 runs on it).
+int64_t madd_peak(int64_t iterations, bool is_int8) {
   const int threads = at::get_num_threads();
   std::vector<int64_t> done(threads, 0);
+  const Kernels& kern = kernels();
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) done[t] = kernels().madd_peak(iterations, (int)(t + iterations) & 7);
+    for (int64_t t = t0; t < t1; t++)
+      done[t] = (is_int8 ? kern.madd_peak_i8 : kern.madd_peak)(iterations, (int)(t + iterations) & 7);
   });
   int64_t total = 0;
   for (int64_t d : done) total += d;
@@ -913,7 +923,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("minv"), py::arg("bias"),
         py::arg("n"), py::arg("is_int8") = false, release());
   m.def("q8_linear", &q8_linear, release());
-  m.def("madd_peak", &madd_peak, release());
+  m.def("madd_peak", &madd_peak, py::arg("iterations"), py::arg("is_int8") = false, release());
   m.def("read_stream", &read_stream, release());
   m.def("attention", &attention, release());
   py::class_<NativeLlama>(m, "NativeLlama")
