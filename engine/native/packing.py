@@ -106,15 +106,15 @@ def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias:
     n, k = q.shape
     padded = -(-n // TILE) * TILE
     q, scale, minv = _pad_rows(q, padded), _pad_rows(scale.float(), padded), _pad_rows(minv.float(), padded)
-    # per octet of K a uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i (i = 0..3);
-    # built TILE_ROWS rows at a time so that the int32 words of a large matrix are never all in memory
-    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)
+    # per octet of K a little-endian uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i
+    # (i = 0..3), i.e. its bytes are the nibble pairs (0, 2), (4, 6), (1, 3), (5, 7); built in bytes, PACK_ROWS
+    # rows at a time
     octets = torch.empty(padded * k // 2, dtype=torch.uint8)
     for r in range(0, padded, PACK_ROWS):
-        rows = q[r : r + PACK_ROWS].to(torch.int32).view(-1, k // 8, 8)
-        words = (rows << shifts).sum(-1, dtype=torch.int32)  # [rows, K/8], bit-disjoint so the sum is an OR
-        octet_bytes = words.contiguous().view(torch.uint8).view(-1, TILE, k // 8, 4)  # little endian
-        octets[r * k // 2 : (r + rows.shape[0]) * k // 2] = octet_bytes.transpose(1, 2).reshape(-1)
+        rows = q[r : r + PACK_ROWS].to(torch.uint8).view(-1, k // 8, 8)
+        word_bytes = torch.stack([rows[..., lo] | rows[..., hi] << 4 for lo, hi in ((0, 2), (4, 6), (1, 3), (5, 7))], -1)
+        tiles = word_bytes.view(-1, TILE, k // 8, 4).transpose(1, 2)  # [rows/16, K/8, 16, 4]
+        octets[r * k // 2 : (r + rows.shape[0]) * k // 2] = tiles.reshape(-1)
     empty = torch.empty(0, dtype=torch.float32)
     return Q4Packed(
         octets,
