@@ -72,7 +72,7 @@ async def measure(name: str, extra: list[str], args: argparse.Namespace, phases:
             results["throughput"] = await throughput(target, args.streams, args.output_tokens)
             print(f"bench.cluster: {name} throughput {results['throughput']}", file=sys.stderr)
         if "conversations" in phases:
-            shape = ConversationShape(args.users, args.turns, args.system_words, args.user_words, args.answer_tokens)
+            shape = conversation_shape(args)
             run = await run_conversations(target.root, target.model, shape)
             results["conversations"] = run.summary()
             print(f"bench.cluster: {name} conversations {results['conversations']}", file=sys.stderr)
@@ -105,9 +105,13 @@ def targets(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def conversation_shape(args: argparse.Namespace) -> ConversationShape:
+    return ConversationShape(args.users, args.turns, args.system_words, args.user_words, args.answer_tokens,
+                             think_seconds=args.think_seconds)  # fmt: skip
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"cpu": cpu_name(), "shape": asdict(ConversationShape(
-        args.users, args.turns, args.system_words, args.user_words, args.answer_tokens))}  # fmt: skip
+    results: dict[str, Any] = {"cpu": cpu_name(), "shape": asdict(conversation_shape(args))}
     wanted = set(args.servers.split(","))
     if "single" in wanted:
         results["single"] = await measure("single", ["--num-threads", "2"], args, {"throughput", "conversations"})
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         field_name = {"users": "num_users", "turns": "num_turns"}.get(name, name)
         default = getattr(shape, field_name)
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"(default: {default})")
+    parser.add_argument("--think-seconds", type=float, default=shape.think_seconds,
+                        help="a user's mean pause between an answer and the next turn (default: 0, a closed loop)")
     parser.add_argument("--server-args", default="", help="more flags for every server, e.g. '--dtype float32'")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=servers.REPO_ROOT / "bench" / "results" / "cluster.json")

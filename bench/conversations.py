@@ -26,6 +26,10 @@ class ConversationShape:
     user_words: int = 96
     answer_tokens: int = 48
     seed: int = 0
+    # Seconds a user reads and types between an answer and its next turn (drawn uniformly from 0.5x to 1.5x, seeded).
+    # 0: a closed loop, each turn sent the moment the last answer ends, so a server that answers sooner is sent
+    # turns sooner and queues them, and TTFT then measures queueing as much as prefill.
+    think_seconds: float = 0.0
 
 
 @dataclass
@@ -108,9 +112,13 @@ async def run_conversations(root: str, model: str | None, shape: ConversationSha
     url = root.rstrip("/") + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=shape.num_users + 4, max_keepalive_connections=shape.num_users + 4)
 
+    thinks = [[shape.think_seconds * rng.uniform(0.5, 1.5) for _ in range(shape.num_turns)] for _ in range(shape.num_users)]
+
     async def user(index: int, client: httpx.AsyncClient) -> None:
         messages: list[dict[str, str]] = [{"role": "system", "content": system}]
-        for question in questions[index]:
+        for turn, question in enumerate(questions[index]):
+            if turn:
+                await asyncio.sleep(thinks[index][turn])
             messages.append({"role": "user", "content": f"User {index}: {question}"})
             body: dict[str, Any] = {"messages": messages, "max_tokens": shape.answer_tokens, "temperature": 0,
                                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
