@@ -116,6 +116,13 @@ def assert_some_failed_and_the_rest_finished(results: list[tuple[int, list[Any]]
     assert all(e["choices"][0]["finish_reason"] == "length" for e in finished)
 
 
+def wait_replaced(cluster: ClusterServer, index: int, old_pid: int) -> None:
+    """Ray Serve starts a replacement for replica `index`, which rejoins the routing (with an empty prefix memory)."""
+    wait_until(lambda: cluster.replicas()[index]["ready"] and cluster.replicas()[index]["pid"] != old_pid,
+               timeout=START_TIMEOUT, interval=1.0)  # fmt: skip
+    assert cluster.replicas()[index]["restarts"] == 1
+
+
 def test_openai_client_streams_and_not_as_one_process(cluster: ClusterServer, llm) -> None:
     from openai import OpenAI
 
@@ -216,9 +223,7 @@ def test_a_hung_replica_leaves_the_routing_ends_its_streams_and_is_replaced(clus
             except ProcessLookupError:
                 pass
     assert_some_failed_and_the_rest_finished(results)
-    wait_until(lambda: cluster.replicas()[1]["ready"] and cluster.replicas()[1]["pid"] != victim["pid"],
-               timeout=START_TIMEOUT, interval=1.0)  # fmt: skip
-    assert cluster.replicas()[1]["restarts"] == 1
+    wait_replaced(cluster, 1, victim["pid"])
     wait_until(lambda: idle(cluster), timeout=30)
 
 
@@ -234,10 +239,7 @@ def test_a_killed_replica_ends_its_own_streams_and_the_other_finishes(cluster: C
         answer = client.post("/v1/completions", json={**body, "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
     assert_some_failed_and_the_rest_finished(results)
-    # Ray Serve starts a replacement, which rejoins the routing with an empty prefix memory.
-    wait_until(lambda: cluster.replicas()[0]["ready"] and cluster.replicas()[0]["pid"] != victim["pid"],
-               timeout=START_TIMEOUT, interval=1.0)  # fmt: skip
-    assert cluster.replicas()[0]["restarts"] == 1
+    wait_replaced(cluster, 0, victim["pid"])
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
         statuses = [client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code for _ in range(4)]
     assert statuses == [200] * 4
