@@ -6,9 +6,10 @@ For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_
 - peaks: the GEMMs' integer multiply-add in a register-only loop on every thread (multiply-adds/s), for the int16
   kernels' instruction and for the int8 kernels' (vpdpbusd, pmaddubsw), and a streaming read of 256 MiB (bytes/s);
 - the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) with int16 activations
-  ("q4", precision "exact") and int8 ones ("q4i8", precision "int8", against the int8 peak), the Q8_0 lm_head
-  (576 -> 49152) for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s and % of the
-  read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
+  ("q4", precision "exact") and int8 ones ("q4i8", precision "int8", against the int8 peak), the down projection
+  in the layouts of a downloaded file's other types ("q4f": Q4_K's float32 scales, "q8l": Q5_x / Q6_K / Q8_0), the
+  Q8_0 lm_head (576 -> 49152), for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s
+  and % of the read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
   heads, 3 KV heads, head dim 64): tokens/s and KV bytes/s;
 - a prefill chunk: one layer of the default model's shape over a 256-token chunk (its linears and attention).
@@ -40,7 +41,9 @@ class Shape:
     name: str
     k: int
     n: int
-    kind: str  # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8") or "q8" (the lm_head)
+    # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8"), "q4f" (the Q4 layout with float32
+    # scales: a Q4_K file's), "q8l" (the Q8 layer layout: Q5_x / Q6_K / Q8_0 layers) or "q8" (the lm_head)
+    kind: str
 
 
 @dataclass
@@ -111,14 +114,26 @@ def measure_peaks(ops, quick: bool) -> Peaks:
     return Peaks(madds(False), madds(True), data.numel() * 4 / seconds)
 
 
+def packed_layer(kind: str, w: torch.Tensor):
+    """w [N, K] in the layer layout `kind` measures; float32 scales for "q4f" (scales float16 cannot hold)."""
+    from engine.native.packing import pack_q4, pack_q4_grid, pack_q8_layer_grid, q4_grid, q8_grid
+
+    if kind == "q4f":
+        q, scale, minv = q4_grid(w)
+        return pack_q4_grid(q, scale * (1 + 2.0**-15), minv, None)
+    if kind == "q8l":
+        return pack_q8_layer_grid(*q8_grid(w), None, None)
+    return pack_q4(w, None)
+
+
 def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, opts) -> list[Row]:
-    from engine.native.packing import pack_q4, pack_q8
+    from engine.native.packing import pack_q8
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(shape.n, shape.k, generator=gen) * 0.05
-    if shape.kind in ("q4", "q4i8"):
-        p = pack_q4(w, None)
-        weight_bytes = p.qs.numel() + 2 * p.scale.numel() * 2
+    if shape.kind != "q8":
+        p = packed_layer(shape.kind, w)
+        weight_bytes = sum(t.numel() * t.element_size() for t in (p.qs, p.scale, p.minv))
         is_int8 = shape.kind == "q4i8"
 
         def run(x: torch.Tensor) -> torch.Tensor:
@@ -203,10 +218,11 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
     try:
         peaks = measure_peaks(ops, opts.quick)
         if opts.quick:
-            shapes = [Shape("small", 64, 96, "q4"), Shape("small", 64, 96, "q4i8"), Shape("small", 64, 96, "q8")]
+            shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8")]
         else:
             shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
                       Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4i8"), Shape("down", INTERMEDIATE, HIDDEN, "q4i8"),
+                      Shape("down", INTERMEDIATE, HIDDEN, "q4f"), Shape("down", INTERMEDIATE, HIDDEN, "q8l"),
                       Shape("lm_head", HIDDEN, VOCAB, "q8")]  # fmt: skip
         results = []
         for shape in shapes:
@@ -220,7 +236,8 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
 
 def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
     print(f"\n{variant}: register-only multiply-add peak {peaks.madds / 1e9:.1f} G/s (int8: {peaks.madds_int8 / 1e9:.1f}), "
-          f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8")
+          f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8, "
+          f"q4f = float32 scales (Q4_K), q8l = the Q8 layer layout (Q5_x, Q6_K, Q8_0)")
     header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
     lines = []
     for r in rows:
