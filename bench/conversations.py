@@ -112,7 +112,8 @@ async def run_conversations(root: str, model: str | None, shape: ConversationSha
     url = root.rstrip("/") + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=shape.num_users + 4, max_keepalive_connections=shape.num_users + 4)
 
-    thinks = [[shape.think_seconds * rng.uniform(0.5, 1.5) for _ in range(shape.num_turns)] for _ in range(shape.num_users)]
+    thinks = [[shape.think_seconds * rng.uniform(0.5, 1.5) for _ in range(shape.num_turns)]
+              for _ in range(shape.num_users)]
 
     async def user(index: int, client: httpx.AsyncClient) -> None:
         messages: list[dict[str, str]] = [{"role": "system", "content": system}]

@@ -130,7 +130,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 0:
             raise ValueError(f"replicas must be an integer >= 0, got {self.replicas!r}")
-        if not isinstance(self.replica_nice, int) or isinstance(self.replica_nice, bool) or not 0 <= self.replica_nice <= 19:
+        nice = self.replica_nice
+        if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
             raise ValueError(f"replica_nice must be an integer in 0..19, got {self.replica_nice!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")

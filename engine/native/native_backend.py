@@ -96,7 +96,8 @@ def _q4_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q4Packed]:
     for chunk in _row_chunks(tensor):
         if exact:
             grid = grid_of(chunk)
-            yield pack_q4_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), torch.from_numpy(grid.minv), None)
+            q, scale, minv = (torch.from_numpy(a) for a in (grid.q, grid.scale, grid.minv))
+            yield pack_q4_grid(q, scale, minv, None)
         else:
             yield pack_q4(chunk.to_float(), None)
     plan.note(tensor.type_name, "Q4", exact)

@@ -27,7 +27,8 @@ class Q4Packed:
 
 @dataclass
 class Q8LayerPacked:
-    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits."""
+    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits, or a
+    fused linear with such a part (its 4-bit parts then held in bytes too)."""
 
     qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2], as Q8Packed's
     scale: torch.Tensor  # float32 [N/16 * K/16 * 16]: one per 16 weights along K
@@ -112,7 +113,8 @@ def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias:
     octets = torch.empty(padded * k // 2, dtype=torch.uint8)
     for r in range(0, padded, PACK_ROWS):
         rows = q[r : r + PACK_ROWS].to(torch.uint8).view(-1, k // 8, 8)
-        word_bytes = torch.stack([rows[..., lo] | rows[..., hi] << 4 for lo, hi in ((0, 2), (4, 6), (1, 3), (5, 7))], -1)
+        pairs = ((0, 2), (4, 6), (1, 3), (5, 7))
+        word_bytes = torch.stack([rows[..., lo] | rows[..., hi] << 4 for lo, hi in pairs], -1)
         tiles = word_bytes.view(-1, TILE, k // 8, 4).transpose(1, 2)  # [rows/16, K/8, 16, 4]
         octets[r * k // 2 : (r + rows.shape[0]) * k // 2] = tiles.reshape(-1)
     empty = torch.empty(0, dtype=torch.float32)

@@ -212,15 +212,18 @@ def test_q8_layer_layout_runs_every_grid_type_on_its_own_values(isa: str) -> Non
 
 def test_q8_layer_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
     """16 lanes and 8: the same integer sums, the same float operations per lane (baseline x86-64 has no FMA)."""
+    isas = [isa for isa in ("avx512", "avx2") if isa in available_isas()]
+    if len(isas) < 2:
+        pytest.skip("this CPU runs only one of avx512 and avx2")
     rng = np.random.default_rng(6)
     grid = grid_of(StoredTensor((64, 256), "Q6_K", lambda: random_blocks(rng, "Q6_K", 64, 256)))
     packed = pack_q8_layer_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), None, None)
     x = torch.randn(13, 256, generator=torch.Generator().manual_seed(6))
     outputs = []
-    for isa in [isa for isa in ("avx512", "avx2") if isa in available_isas()]:
+    for isa in isas:
         with on_isa(isa):
             outputs.append(ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, 64))
-    assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
