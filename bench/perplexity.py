@@ -9,7 +9,9 @@ context). The reference is transformers' float32 model on the file's own dequant
 in each precision ("exact": int16 activations, "int8": int8 ones) with a bfloat16 KV cache as it serves. Reported
 per precision: perplexity, the mean and the 99th percentile of KL(reference || native) over the scored positions,
 and how often the top token agrees. With --llama-perplexity, llama.cpp's own perplexity on the same file, text and
-chunking (`-c ctx`, its tokenizer, BOS as the model's metadata says) is printed beside them.
+chunking (`-c ctx`, its tokenizer, BOS as the model's metadata says) is printed beside them, like for like: against
+its own float32 run of the same weights (the file dequantised into a float32 GGUF), its perplexity ratio, mean and
+99th-percentile KL divergence and top-token agreement (its --kl-divergence).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import math
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -83,11 +86,35 @@ def scores(logits: list[torch.Tensor], chunks: list[list[int]], reference: list[
     return result
 
 
-def llama_perplexity(binary: str, path: Path, ctx: int) -> float | None:
-    run = subprocess.run([binary, "-m", str(path), "-f", str(TEXT), "-c", str(ctx), "-t", "2", "-b", str(ctx)],
+def llama_perplexity(binary: str, path: Path, ctx: int, *extra: str) -> str:
+    run = subprocess.run([binary, "-m", str(path), "-f", str(TEXT), "-c", str(ctx), "-t", "2", "-b", str(ctx), *extra],
                          capture_output=True, text=True, timeout=1800)  # fmt: skip
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
-    return float(found.group(1)) if found else None
+    return run.stdout + run.stderr
+
+
+def llama_rows(binary: str, path: Path, ctx: int) -> dict[str, dict]:
+    """llama.cpp on its own float reference, like for like: the file with every tensor dequantised to float32 (the same
+    weights, no activation quantisation), then the file itself scored against those logits (its --kl-divergence)."""
+    from bench.synthetic_gguf import write_float_copy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        float_copy, base = write_float_copy(path, Path(tmp) / "float32.gguf"), Path(tmp) / "base.kld"
+        llama_perplexity(binary, float_copy, ctx, "--kl-divergence-base", str(base))
+        float_copy.unlink()
+        text = llama_perplexity(binary, path, ctx, "--kl-divergence-base", str(base), "--kl-divergence")
+
+    def figure(label: str) -> float:
+        found = re.search(rf"{re.escape(label)}\s*:\s*(-?[0-9.]+)", text)
+        if not found:
+            raise SystemExit(f"llama-perplexity printed no {label!r}:\n{text[-2000:]}")
+        return float(found.group(1))
+
+    reference, quantised = figure("Mean PPL(base)"), figure("Mean PPL(Q)")
+    return {
+        "llama.cpp float32 reference (its tokenisation)": {"ppl": reference, "base": reference},
+        "llama.cpp on the file": {"ppl": quantised, "base": reference, "kl_mean": figure("Mean    KLD"),
+                                  "kl_p99": figure("99.0%   KLD"), "top1": figure("Same top p") / 100},
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,13 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     for precision in ("exact", "int8"):
         rows[f"native, precision {precision}"] = scores(native_logits(path, chunks, precision), chunks, reference)
     if args.llama_perplexity:
-        rows["llama.cpp llama-perplexity"] = {"ppl": llama_perplexity(args.llama_perplexity, path, args.ctx)}
-    base = rows["float32 reference (transformers)"]["ppl"]
-    print("| run | perplexity | vs reference | mean KL | KL p99 | top-1 agrees |")
+        rows.update(llama_rows(args.llama_perplexity, path, args.ctx))
+    print("| run | perplexity | vs its reference | mean KL | KL p99 | top-1 agrees |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        ppl = r.get("ppl")
-        cells = [f"{ppl:.4f}" if ppl else "-", f"{(ppl / base - 1) * 100:+.3f}%" if ppl else "-"]
+        ppl, base = r["ppl"], r.get("base", rows["float32 reference (transformers)"]["ppl"])
+        cells = [f"{ppl:.4f}", f"{(ppl / base - 1) * 100:+.3f}%"]
         cells += [f"{r['kl_mean']:.5f}", f"{r['kl_p99']:.5f}", f"{r['top1']:.4f}"] if "kl_mean" in r else ["-"] * 3
         print(f"| {name} | " + " | ".join(cells) + " |")
 

@@ -110,6 +110,31 @@ def write_llama_gguf(
     return path
 
 
+
+def write_float_copy(source: Path, path: Path) -> Path:
+    """The same model with every tensor float32: the file's own dequantised values and the same metadata (llama.cpp's
+    float reference for a like-for-like KL divergence of its quantised run)."""
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(path), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type)
+    for tensor in reader.tensors:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape([int(d) for d in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
 # A 1B-class Llama laid out like a downloaded Q4_K_M file (llama.cpp's mix: Q6_K for attn_v and ffn_down)
 ONE_B_Q4_K_M = dict(
     types={"layers": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"},

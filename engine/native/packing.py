@@ -163,7 +163,7 @@ INT8_STEPS = 127.0  # precision "int8": in int8 steps of max|x| / 127 (llama.cpp
 
 def quantize_activations(x: torch.Tensor, qmax: float = INT16_STEPS) -> torch.Tensor:
     """The activations the Q4 kernel multiplies with: each row's groups of 32 rounded to steps of max|x| / qmax
-    (as float [M, K]; the kernel adds the exact group sums of x for the minimums' term)."""
+    (as float [M, K]; their group sums are what the kernel multiplies the minimums with)."""
     m, k = x.shape
     groups = x.float().view(m, k // GROUP, GROUP)
     amax = groups.abs().amax(-1, keepdim=True)
@@ -189,7 +189,7 @@ def q4_grid_reference(
     [N, K/32]), in float64 (without bias)."""
     n, k = q.shape
     xq = quantize_activations(x, qmax).double().view(x.shape[0], -1, GROUP)
-    xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, G]
+    xsum = xq.sum(-1)  # [M, G]
     dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP))  # [M, N, G]
     return (dots * scale.double()[None]).sum(-1) + xsum @ minv.double().T
 
@@ -216,5 +216,5 @@ def q8_layer_reference(
     dots = torch.einsum("mgk,ngk->mng", xq, q.double().view(n, -1, GROUP // 2))  # [M, N, K/16]
     y = (dots * scale16.double()[None]).sum(-1)
     if minv is not None:
-        y = y + x.double().view(x.shape[0], -1, GROUP).sum(-1) @ minv.double().T
+        y = y + xq.view(x.shape[0], -1, GROUP).sum(-1) @ minv.double().T
     return y
