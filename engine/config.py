@@ -28,7 +28,7 @@ class EngineConfig:
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
     quantize: str = "auto"  # "auto" | "none": the native step / weight-only quantised kernels, or dense only
-    precision: str = "exact"  # the native step's activations: "exact" (int16 steps) | "int8" (twice the rate)
+    precision: str = "int8"  # the native step's activations: "int8" (llama.cpp's Q8 steps) | "exact" (int16 steps)
     speculative: str = "off"  # "auto" | "on" | "off": draft-free speculative decoding (engine/speculative/)
     speculative_k: int = 8  # most draft tokens verified per sequence per step
     speculative_ngram_min: int = 2

@@ -64,11 +64,11 @@ def test_gemma3_270m_chat_template_and_end_of_turn(gemma_llm: LLM) -> None:
 def test_gemma3_270m_native_step_matches_transformers_and_is_batch_invariant(
     gemma_path: Path, prompts_and_references, caplog
 ) -> None:
-    """The default settings (bf16 cache, the native step): every tensor of the file (Q4_K, Q5_0, Q6_K, Q8_0) runs on
+    """The default settings but int16 activations (precision "exact"; bf16 cache, the native step): every tensor of the file (Q4_K, Q5_0, Q6_K, Q8_0) runs on
     its own grid, so greedy output is the float32 reference's on every prompt (measured with the avx512, avx2 and
     baseline kernels alike), alone and batched."""
     with caplog.at_level(logging.INFO, logger="engine.loader"):
-        llm = LLM(str(gemma_path), num_kv_blocks=256, max_num_seqs=8)
+        llm = LLM(str(gemma_path), num_kv_blocks=256, max_num_seqs=8, precision="exact")
     assert llm.engine.runner.backend.name == "native"
     assert "re-quantised" not in caplog.text
     ids, refs = prompts_and_references

@@ -78,7 +78,7 @@ def test_eager_model_on_a_gguf_matches_transformers_reading_of_the_same_file(mix
 @pytest.mark.skipif(native_ops() is None, reason="the native step is not built (make install builds it)")
 def test_native_step_runs_a_gguf_on_its_own_grids(legacy_gguf: Path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="engine.loader"):
-        llm = LLM(str(legacy_gguf), block_size=4, num_kv_blocks=128, max_num_seqs=4)
+        llm = LLM(str(legacy_gguf), block_size=4, num_kv_blocks=128, max_num_seqs=4, precision="exact")
     assert llm.engine.runner.backend.name == "native"
     assert "architecture llama" in caplog.text and all(t in caplog.text for t in ("Q4_0", "Q4_K", "Q8_0"))
     assert "own grid" in caplog.text and "re-quantised" not in caplog.text

@@ -285,7 +285,7 @@ def test_native_step_runs_qwen3_and_gemma3_like_transformers(
 def assert_native_parity(model_dir: Path, cache_dtype: torch.dtype, tolerance: float) -> None:
     """Chunked prefills with a prefix hit, then decodes, on shuffled blocks: every logits row of the native step
     within tolerance (of the largest logit) of transformers' float32 forward over the same prefix."""
-    config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=96)
+    config = EngineConfig(model=str(model_dir), block_size=BLOCK_SIZE, num_kv_blocks=96, precision="exact")
     sampler = RecordingSampler()
     runner = ModelRunner(load_model(config), config, sampler=sampler)
     assert runner.backend.name == "native"
@@ -383,13 +383,16 @@ def test_greedy_output_is_the_same_alone_batched_cached_and_chunked_qwen3_gemma3
         assert other == alone
 
 
-def test_default_model_greedy_matches_transformers_and_is_batch_invariant() -> None:
-    """The default config (bfloat16 KV cache, quantize "auto": the native step) against transformers' float32
-    forward of the same dequantised GGUF weights; alone, batched, cached and chunked all give the same tokens."""
+@pytest.mark.parametrize("precision", ["exact", "int8"])
+def test_default_model_greedy_is_batch_invariant_and_exact_matches_transformers(precision: str) -> None:
+    """The default config (bfloat16 KV cache, quantize "auto": the native step) in both precisions: alone, batched,
+    cached and chunked all give the same tokens; with int16 activations ("exact") they are transformers' float32
+    greedy tokens on the same dequantised GGUF weights (int8, the default, rounds as llama.cpp does: its cost is
+    measured by bench perplexity, not asserted token for token)."""
     texts = ["The capital of France is", "Write a haiku about the sea.", "日本の首都は", "1, 2, 3, 4,"]
 
     def make(**overrides) -> LLM:
-        return LLM("", block_size=4, num_kv_blocks=1024, max_num_seqs=8, **overrides)
+        return LLM("", block_size=4, num_kv_blocks=1024, max_num_seqs=8, precision=precision, **overrides)
 
     llm = make()
     assert llm.engine.runner.backend.name == "native"
@@ -397,8 +400,9 @@ def test_default_model_greedy_matches_transformers_and_is_batch_invariant() -> N
     runs = greedy_runs(make, prompts)
     for run in runs[1:]:
         assert run == runs[0]
-    refs = [hf_greedy(llm.engine.model_path, p, GREEDY.max_tokens) for p in prompts]
-    assert runs[0] == refs
+    if precision == "exact":
+        refs = [hf_greedy(llm.engine.model_path, p, GREEDY.max_tokens) for p in prompts]
+        assert runs[0] == refs
 
 
 def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid_llama_dir: Path, caplog) -> None:
