@@ -24,6 +24,7 @@ os._exit HARD_EXIT_SECONDS after it was abandoned.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -87,6 +88,7 @@ class SluiceASGI:
             await receive()  # lifespan.shutdown
             await self._drain()
             tg.cancel_scope.cancel()
+        gc.unfreeze()  # what the engine leaves behind can be collected (an app started again in this process)
         await send({"type": "lifespan.shutdown.complete"})
 
     # ---- stop ---------------------------------------------------------------------------------------------
@@ -129,6 +131,10 @@ class SluiceASGI:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.engine.run)
+                # The model, tokenizer and libraries loaded by now live as long as the process: out of the
+                # collector's sight, so that its full collections during serving no longer walk them.
+                gc.collect()
+                gc.freeze()
                 logger.info("engine ready")
         except Exception:
             logger.exception("the engine loop failed: stopping")

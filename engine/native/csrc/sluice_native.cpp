@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -826,10 +827,14 @@ class NativeLlama {
       // is the same either way.
       const int per_task = T * kv_heads_ >= 4 * at::get_num_threads() ? G : 1;
       // A sequence with one token in the step (a decode) reads keys no other query of the step has touched.
-      at::parallel_for(0, T * heads_ / per_task, 1, [&](int64_t w0, int64_t w1) {
+      // Tasks cost as many keys as their token's position (a causal chunk, sequences of any length): the threads
+      // take them one at a time, not in two fixed halves that leave one thread waiting for the other.
+      const int64_t num_tasks = T * heads_ / per_task;
+      std::atomic<int64_t> next_task{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         thread_local std::vector<float> scores;
         if ((int64_t)scores.size() < MAX_HEADS_PER_PASS * Lp) scores.resize(MAX_HEADS_PER_PASS * Lp);
-        for (int64_t w = w0; w < w1; w++) {
+        for (int64_t w; (w = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
           const int64_t i = w * per_task / heads_;
           const int head = (int)(w * per_task % heads_), kh = head / G;
           const float* q = qkv.data() + i * QKV + head * D;
