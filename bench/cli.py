@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from bench.workload import LengthDist, TokenCounter, build_workload, load_token_
 
 COMPARE_SERVERS = ("sluice", "transformers", "transformers-cb", "llama")
 DEFAULT_URL = "http://127.0.0.1:8000"
+LOADING_TIMEOUT = 600.0  # seconds a --url server may still be loading its model (503) before the run starts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -171,7 +173,10 @@ async def prepare_target(target: Target, specs: list, options: RequestOptions, w
     # without a hub cache) closes that connection, and a warm-up request reusing it would fail.
     async with httpx.AsyncClient(timeout=30.0) as probe:
         try:
-            await probe.get(target.root + "/v1/models")
+            deadline = time.monotonic() + LOADING_TIMEOUT
+            # a server given by --url may still be loading its model (503): its model id comes once it is ready
+            while (await probe.get(target.root + "/v1/models")).status_code == 503 and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
         except httpx.HTTPError as exc:
             raise SystemExit(f"bench: cannot reach {target.name} at {target.root}: {exc or type(exc).__name__}") from None
         if target.model is None:
