@@ -12,7 +12,8 @@ For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_
   and % of the read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
   heads, 3 KV heads, head dim 64): tokens/s and KV bytes/s;
-- a prefill chunk: one layer of the default model's shape over a 256-token chunk (its linears and attention).
+- a prefill chunk: one layer of the default model's shape over a 256-token chunk (its linears and attention), with
+  int16 ("exact") and int8 activations (% of the peak: the linears' multiply-adds against that precision's).
 
 Wall times on all of torch's threads, the best of a few repeats (a shared machine only makes it slower);
 `--per-core` instead runs one thread and times it by its own CPU time, which a machine shared with other work
@@ -178,8 +179,9 @@ def attention_rows(ops, variant: str, rows: list[int], peaks: Peaks, opts) -> li
     return out
 
 
-def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts) -> Row:
-    """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions 0..chunk-1)."""
+def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str) -> Row:
+    """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions 0..chunk-1), its
+    linears' activations in `precision` ("exact": int16, "int8")."""
     from engine.native.packing import pack_q4, pack_q8
 
     chunk, block, vocab = (32, 16, 256) if opts.quick else (256, 16, 1024)
@@ -198,6 +200,7 @@ def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts) -> Row:
                             embed.qs, embed.scale, torch.ones(HIDDEN), angles.cos().contiguous(), sin)  # fmt: skip
     model.add_layer(torch.ones(HIDDEN), torch.ones(HIDDEN), q4((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
                     q4(HIDDEN, HEADS * HEAD_DIM), q4(2 * INTERMEDIATE, HIDDEN), q4(HIDDEN, INTERMEDIATE))  # fmt: skip
+    model.set_precision(precision)
     num_blocks = chunk // block
     cache = [torch.zeros(KV_HEADS, num_blocks, block, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
     model.set_kv_caches([cache[0]], [cache[1]])
@@ -207,8 +210,9 @@ def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts) -> Row:
     tables = torch.arange(num_blocks, dtype=torch.int32)[None]
     seconds = best_time(lambda: model.forward(ids, pos, pos, rows, tables), opts.repeats, opts.min_seconds)
     linear_macs = chunk * HIDDEN * ((HEADS + 2 * KV_HEADS) * HEAD_DIM + 3 * INTERMEDIATE) + chunk * HEADS * HEAD_DIM * HIDDEN
-    return Row(variant, f"prefill chunk {chunk} tok, 1 layer", chunk, seconds, chunk / seconds,
-               100 * linear_macs / seconds / peaks.madds, 0.0, None)  # fmt: skip
+    peak = peaks.madds_int8 if precision == "int8" else peaks.madds
+    return Row(variant, f"prefill chunk {chunk} tok, 1 layer, {precision}", chunk, seconds, chunk / seconds,
+               100 * linear_macs / seconds / peak, 0.0, None)  # fmt: skip
 
 
 def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[Row]]:
@@ -228,7 +232,7 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
         for shape in shapes:
             results += gemm_rows(ops, variant, shape, rows, peaks, opts)
         results += attention_rows(ops, variant, rows, peaks, opts)
-        results.append(prefill_chunk_row(ops, variant, peaks, opts))
+        results += [prefill_chunk_row(ops, variant, peaks, opts, precision) for precision in ("exact", "int8")]
         return peaks, results
     finally:
         use_isa(ops, "best")
