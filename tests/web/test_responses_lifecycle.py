@@ -85,5 +85,6 @@ def test_a_failed_forward_pass_ends_the_stream_with_response_failed(tmp_path: Pa
         assert final["status"] == "failed" and final["error"]["code"] == "server_error" and final["error"]["message"]
         assert client.responses.retrieve(final["id"]).status == "failed"  # stored as it ended
         after = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)  # the engine serves on
-        assert after.status == "incomplete"
+        # sampled: the tiny model may end on its EOS within the 3 tokens (completed) or be cut at them (incomplete)
+        assert after.status in ("completed", "incomplete") and 1 <= after.usage.output_tokens <= 3
         assert server.engine.num_free_blocks == server.engine.num_total_blocks
