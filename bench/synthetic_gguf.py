@@ -110,7 +110,6 @@ def write_llama_gguf(
     return path
 
 
-
 def write_float_copy(source: Path, path: Path) -> Path:
     """The same model with every tensor float32: the file's own dequantised values and the same metadata (llama.cpp's
     float reference for a like-for-like KL divergence of its quantised run)."""
@@ -134,6 +133,7 @@ def write_float_copy(source: Path, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
 
 # A 1B-class Llama laid out like a downloaded Q4_K_M file (llama.cpp's mix: Q6_K for attn_v and ffn_down)
 ONE_B_Q4_K_M = dict(

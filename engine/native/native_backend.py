@@ -187,7 +187,7 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, ops: ModuleType, cfg: Any, tensors: Mapping[str, StoredTensor], max_positions: int,
-                 precision: str = "exact") -> None:  # fmt: skip
+                 precision: str) -> None:  # fmt: skip
         heads, kv_heads, head_dim = _attn_sizes(cfg)
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, kv_heads, head_dim
         self.vocab_size = int(cfg.vocab_size)
