@@ -8,7 +8,10 @@ trimmer in one anyio task group; startup completes at once, so HTTP is served wh
 
 Stop: SIGTERM / SIGINT (or the `stop` event of a launcher that runs the server outside the main thread) first
 drains the engine: new requests get 503, in-flight streams get drain_timeout, the rest end with finish_reason
-"abort" and [DONE]. Only then is Hypercorn told to stop, so it finds nothing left open: through the
+"abort" and [DONE]. The open HTTP exchanges then get what is left of drain_timeout (at least write_timeout) to
+write their last bytes to clients that read slowly: Hypercorn's grace period starts only after this, and a
+process that exits past it loses what its transports still hold, cutting a stream mid-line. Only then is
+Hypercorn told to stop, so it finds nothing left open: through the
 `stopped` event a launcher gives Hypercorn as its shutdown trigger, or, under the hypercorn command, by
 handing the signal on to Hypercorn's own handler (left alone, that handler would close the listeners and,
 after graceful_timeout, cut open streams before the lifespan shutdown ever ran; a worker process spawned by
@@ -52,10 +55,13 @@ HARD_EXIT_SECONDS = 5.0
 
 
 class SluiceASGI:
-    def __init__(self, engine: AsyncEngine, app: Any, drain_timeout: float) -> None:
+    def __init__(self, engine: AsyncEngine, app: Any, drain_timeout: float, write_timeout: float) -> None:
         self.engine = engine
         self.app = app  # the Quart app: HTTP only
         self.drain_timeout = drain_timeout
+        self.write_timeout = write_timeout
+        self._num_open_exchanges = 0  # HTTP requests whose response is not yet written out
+        self._exchanges_done: anyio.Event | None = None  # set when that count reaches 0 while stopping
         self._stop: anyio.Event | None = None  # a launcher's stop request, instead of the signals
         self._stopped: anyio.Event | None = None  # set once drained (or failed): a launcher's shutdown trigger
         self._is_draining = False
@@ -70,8 +76,14 @@ class SluiceASGI:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
-        else:
+            return
+        self._num_open_exchanges += 1
+        try:
             await self.app(scope, receive, send)
+        finally:
+            self._num_open_exchanges -= 1
+            if not self._num_open_exchanges and self._exchanges_done is not None:
+                self._exchanges_done.set()
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         message = await receive()
@@ -124,7 +136,20 @@ class SluiceASGI:
 
     async def _drain(self) -> None:
         self._is_draining = True
+        deadline = anyio.current_time() + self.drain_timeout
         await self.engine.drain(self.drain_timeout)
+        await self._write_out(max(deadline - anyio.current_time(), self.write_timeout))
+
+    async def _write_out(self, timeout: float) -> None:
+        """Wait until every open HTTP exchange has handed its last bytes to its transport (a client that never
+        reads is given up on after `timeout`)."""
+        if not self._num_open_exchanges:
+            return
+        self._exchanges_done = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._exchanges_done.wait()
+        if self._num_open_exchanges:
+            logger.warning("%d responses not written out within %.1f s", self._num_open_exchanges, timeout)
 
     # ---- the engine ---------------------------------------------------------------------------------------
     async def _run_engine(self) -> None:
@@ -189,7 +214,8 @@ def build_host(config: SluiceConfig) -> SluiceASGI:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     limit_arenas()
     engine = build_engine(config)
-    return SluiceASGI(engine, create_app(engine, config.server), config.server.drain_timeout)
+    server = config.server
+    return SluiceASGI(engine, create_app(engine, server), server.drain_timeout, server.graceful_timeout)
 
 
 def create_asgi_app(config_path: str | None = None) -> SluiceASGI:

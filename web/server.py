@@ -53,7 +53,7 @@ async def serve(
     stop: anyio.Event | None = None,
 ) -> int:
     """An engine and its Quart app under the host (the tests' threaded server)."""
-    return await serve_host(SluiceASGI(engine, app, config.drain_timeout), bind or hypercorn_config(config), stop)
+    return await serve_host(SluiceASGI(engine, app, config.drain_timeout, config.graceful_timeout), bind or hypercorn_config(config), stop)
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server") -> argparse.Namespace:

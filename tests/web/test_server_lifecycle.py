@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.support.lifecycle import LONG, MODEL, SHORT, engine_idle, metric
@@ -221,6 +223,30 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> Non
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_stop_writes_out_a_slow_readers_finished_stream(tiny_llama_dir) -> None:
+    """The engine has finished a stream whose client has not read it (kilobytes of buffers on both sides, ~100 KB
+    of events): stopping the server waits for the bytes to be written (within drain_timeout) instead of giving
+    Hypercorn graceful_timeout and exiting with them still in the transport, which cut the stream mid-line."""
+    config = tiny_engine_config(tiny_llama_dir)
+    overrides = {"served_model_name": MODEL, "drain_timeout": 20.0, "graceful_timeout": 0.5}
+    with ThreadedServer(llm_engine_loader(config), send_buffer_bytes=4096, **overrides) as server:
+        body = orjson.dumps({**LONG, "max_tokens": 200, "logprobs": 5, "stream": True})
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.config.port))
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            time.sleep(1.0)  # the request arrives, and the tiny model generates it in well under a second
+            wait_until(lambda: engine_idle(server.base_url))
+            stopping = threading.Thread(target=server.stop)
+            stopping.start()
+            time.sleep(2.0)  # past graceful_timeout: before the fix the process had dropped the unwritten bytes
+            received = b"".join(iter(lambda: sock.recv(65536), b""))
+            stopping.join(30)
+    assert received.startswith(b"HTTP/1.1 200") and len(received) > 50_000
+    assert received.rstrip(b"\r\n0").endswith(b"data: [DONE]"), received[-300:]
 
 
 def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
