@@ -128,17 +128,17 @@ def packed_layer(kind: str, w: torch.Tensor):
 
 
 def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, opts) -> list[Row]:
-    from engine.native.packing import pack_q8
+    from engine.native.packing import linear_spec, pack_q8
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(shape.n, shape.k, generator=gen) * 0.05
     if shape.kind != "q8":
         p = packed_layer(shape.kind, w)
-        weight_bytes = sum(t.numel() * t.element_size() for t in (p.qs, p.scale, p.minv))
+        weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
         is_int8 = shape.kind == "q4i8"
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return ops.linear(x, p.qs, p.scale, p.minv, p.bias, shape.n, is_int8=is_int8)
+            return ops.linear(x, linear_spec(p), shape.n, is_int8=is_int8)
     else:
         p8 = pack_q8(w)
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2

@@ -11,6 +11,7 @@ Every type below is exact in that form (the test checks it bit for bit against t
   Q5_K  q 0..31,   scale d * sc_j, minv -dmin * m_j    (group 32)
   Q6_K  q -32..31, scale d * sc_j, no minv             (group 16: int8 scales)
 d, m, dmin are float16 and sc_j, m_j at most 8 bits, so each product is exact in float32, as gguf computes it.
+The K-quants also keep those factors (`factors`): the native layouts read the small integers, not the products.
 """
 
 from __future__ import annotations
@@ -25,11 +26,22 @@ QK_K = 256
 
 
 @dataclass
+class SuperBlockFactors:
+    """A K-quant's scale = sc * d and minv = m * neg_dmin: small integers per group, float32 per 256 weights."""
+
+    sc: np.ndarray  # [N, K / group] uint8 (Q4_K, Q5_K) or int8 (Q6_K)
+    d: np.ndarray  # [N, K / 256] float32
+    m: np.ndarray | None  # [N, K / group] uint8, or None (Q6_K)
+    neg_dmin: np.ndarray | None  # [N, K / 256] float32: -dmin
+
+
+@dataclass
 class Grid:
     q: np.ndarray  # [N, K] uint8 (0..2^bits - 1) or int8 (signed types)
     scale: np.ndarray  # [N, K / group] float32
     minv: np.ndarray | None  # [N, K / group] float32, None for the symmetric types
     group: int
+    factors: SuperBlockFactors | None = None  # the K-quants'
 
     def dequantize(self) -> np.ndarray:
         n, k = self.q.shape
@@ -102,7 +114,8 @@ def _k_quant(b: np.ndarray, n: int, k: int, q: np.ndarray) -> Grid:
     sc, mins = _k_scales(b[:, 4:16])
     scale = d[:, None] * sc.astype(np.float32)
     minv = -(dmin[:, None] * mins.astype(np.float32))
-    return Grid(q.reshape(n, k), scale.reshape(n, -1), minv.reshape(n, -1), 32)
+    factors = SuperBlockFactors(sc.reshape(n, -1), d.reshape(n, -1), mins.reshape(n, -1), (-dmin).reshape(n, -1))
+    return Grid(q.reshape(n, k), scale.reshape(n, -1), minv.reshape(n, -1), 32, factors)
 
 
 def _q4_k(t: StoredTensor) -> Grid:
@@ -130,7 +143,7 @@ def _q6_k(t: StoredTensor) -> Grid:
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     q = ((low | (high << 4)).astype(np.int8) - 32).reshape(n, k)
     scale = d[:, None] * scales.astype(np.float32)
-    return Grid(q, scale.reshape(n, -1), None, 16)
+    return Grid(q, scale.reshape(n, -1), None, 16, SuperBlockFactors(scales.reshape(n, -1), d.reshape(n, -1), None, None))
 
 
 UNPACKERS = {

@@ -2,9 +2,9 @@
 checkpoint's stored tensors (one at a time; no model object, no float copy of the model), then one C++ call for
 all layers of a step and one for the logits, each releasing the GIL for its whole run.
 
-Each linear is packed on the file's own grid: the layers' Q4_0 / Q4_1 / Q4_K in the Q4 layout, their Q5_x / Q6_K /
-Q8_0 (and any linear fused with one of those) in the Q8 layer layout, a Q8_0 / Q4_0 / Q5_0 embedding and head in
-the Q8 layout. Float tensors and types without a grid here are quantised onto Q4_1 / Q8_0 (the head's K-quants
+Each linear is packed on the file's own grid: the layers' Q4_0 / Q4_1 / Q4_K in the Q4 layout, their Q6_K in the
+Q6 layout, their Q5_x / Q8_0 in the Q8 layer layout (a fused q/k/v of several types runs each part in its own), a
+Q8_0 / Q4_0 / Q5_0 embedding and head in the Q8 layout. Float tensors and types without a grid here are quantised onto Q4_1 / Q8_0 (the head's K-quants
 too: its Q8 layout has one float16 scale per 32), and `plan` says so per tensor (the loader logs it).
 """
 
@@ -24,11 +24,15 @@ from engine.native.packing import (
     GROUP,
     PACK_ROWS,
     TILE,
+    LinearSpec,
     Q4Packed,
+    Q6Packed,
     Q8LayerPacked,
     Q8Packed,
+    linear_spec,
     pack_q4,
     pack_q4_grid,
+    pack_q6_grid,
     pack_q8,
     pack_q8_grid,
     pack_q8_layer_grid,
@@ -97,10 +101,18 @@ def _q4_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q4Packed]:
         if exact:
             grid = grid_of(chunk)
             q, scale, minv = (torch.from_numpy(a) for a in (grid.q, grid.scale, grid.minv))
-            yield pack_q4_grid(q, scale, minv, None)
+            yield pack_q4_grid(q, scale, minv, None, grid.factors)
         else:
             yield pack_q4(chunk.to_float(), None)
     plan.note(tensor.type_name, "Q4", exact)
+
+
+def _q6_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q6Packed]:
+    for chunk in _row_chunks(tensor):
+        grid = grid_of(chunk)
+        assert grid.factors is not None
+        yield pack_q6_grid(torch.from_numpy(grid.q), grid.factors, None)
+    plan.note(tensor.type_name, "Q6", True)
 
 
 def _q8_layer_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q8LayerPacked]:
@@ -117,34 +129,68 @@ def _q8_layer_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q8LayerPa
     plan.note(tensor.type_name, "Q8 layer", exact)
 
 
-def _joined_q8_layer(pieces: list[Q8LayerPacked], bias: torch.Tensor | None, n: int) -> Q8LayerPacked:
-    """Pieces' tiles joined; a symmetric piece gets zero minimums when another piece has some."""
-    minv = torch.empty(0)
-    if any(p.minv.numel() for p in pieces):
-        minv = torch.cat([p.minv if p.minv.numel() else torch.zeros(p.scale.numel() // 2) for p in pieces])
-    b = bias if bias is not None else torch.empty(0)
-    return Q8LayerPacked(torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]), minv, b, n)
+def _layout_of(tensor: StoredTensor) -> str:
+    """The layout a layer's linear part runs in: its own grid's, or Q4 for a float tensor (quantised onto Q4_1)."""
+    if tensor.type_name == "Q6_K":
+        return "q6"
+    if tensor.type_name in UNPACKERS and tensor.type_name not in Q4_EXACT:
+        return "q8l"
+    return "q4"
 
 
-def _linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> Q4Packed | Q8LayerPacked:
-    """Linears sharing an input, fused along N (q, k, v or gate, up): in the Q4 layout when every part is a 4-bit
-    grid (or float, quantised onto Q4_1), else in the Q8 layer layout, each part on its own grid. Each part is
-    packed on its own, chunk by chunk, and the tiles joined (whole tiles when every N is a multiple of the tile
-    height); the stored tensors are released once packed."""
+def _packed_part(tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q8LayerPacked | Q6Packed:
+    """One tensor of a linear, packed chunk by chunk in its layout, the chunks' tiles joined."""
+    layout = _layout_of(tensor)
+    if layout == "q6":
+        return _joined(list(_q6_pieces(tensor, plan)), tensor.shape[0])
+    if layout == "q8l":
+        return _joined(list(_q8_layer_pieces(tensor, plan)), tensor.shape[0])
+    return _joined(list(_q4_pieces(tensor, plan)), tensor.shape[0])
+
+
+def _joined(pieces: list, n: int, bias: torch.Tensor | None = None):
+    """Pieces of one layout (whole tiles each) joined along N into one; a symmetric Q8 layer piece gets zero
+    minimums when another piece has some."""
+    first = pieces[0]
+    skip = {"n", "bias"} | ({"minv"} if isinstance(first, Q8LayerPacked) else set())
+    joined = {name: torch.cat([getattr(p, name) for p in pieces]) for name in first.__dataclass_fields__ if name not in skip}
+    if isinstance(first, Q8LayerPacked):
+        joined["minv"] = torch.empty(0)
+        if any(p.minv.numel() for p in pieces):
+            joined["minv"] = torch.cat([p.minv if p.minv.numel() else torch.zeros(p.scale.numel() // 2) for p in pieces])
+    return type(first)(**joined, n=n, bias=bias if bias is not None else torch.empty(0))
+
+
+def _can_join(a: Q4Packed | Q8LayerPacked | Q6Packed, b: Q4Packed | Q8LayerPacked | Q6Packed) -> bool:
+    if type(a) is not type(b):
+        return False
+    return not isinstance(a, Q4Packed) or a.scale.dtype == b.scale.dtype  # type: ignore[union-attr]
+
+
+def _linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> LinearSpec:
+    """Linears sharing an input, fused along N (q, k, v or gate, up): each part packed on its own grid, chunk by
+    chunk, and the neighbouring parts of one layout joined into one run of tiles (whole tiles when every N is a
+    multiple of the tile height); the stored tensors are released once packed."""
     try:
         b = torch.cat([t.to_float() for t in bias]) if bias else None
-        n = sum(t.shape[0] for t in parts)
         if any(t.shape[0] % TILE for t in parts):  # tiny models only: fuse the float rows, then pack
             for t in parts:
                 plan.note(t.type_name, "Q4", False)
-            return pack_q4(torch.cat([t.to_float() for t in parts]), b)
-        if any(t.type_name in UNPACKERS and t.type_name not in Q4_EXACT for t in parts):
-            return _joined_q8_layer([piece for t in parts for piece in _q8_layer_pieces(t, plan)], b, n)
-        pieces = [piece for t in parts for piece in _q4_pieces(t, plan)]
-        return Q4Packed(
-            torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]),
-            torch.cat([p.minv for p in pieces]), b if b is not None else torch.empty(0), n,
-        )  # fmt: skip
+            return linear_spec(pack_q4(torch.cat([t.to_float() for t in parts]), b))
+        runs: list[list[Q4Packed | Q8LayerPacked | Q6Packed]] = []
+        for t in parts:
+            packed = _packed_part(t, plan)
+            t.release()
+            if runs and _can_join(runs[-1][-1], packed):
+                runs[-1].append(packed)
+            else:
+                runs.append([packed])
+        joined, n0 = [], 0
+        for run in runs:
+            n = sum(p.n for p in run)
+            joined.append(_joined(run, n, None if b is None else b[n0 : n0 + n].contiguous()))
+            n0 += n
+        return linear_spec(*joined)
     finally:
         _released(parts + (bias or []))
 
@@ -225,13 +271,12 @@ class NativeBackend:
             )  # fmt: skip
 
     def _add_layer(self, tensors: Mapping[str, StoredTensor], prefix: str) -> None:
-        def linear(names: list[str]) -> list[torch.Tensor]:
+        def linear(names: list[str]) -> LinearSpec:
             parts = [tensors[prefix + n + ".weight"] for n in names]
             biases = [tensors.get(prefix + n + ".bias") for n in names]
             if any(b is not None for b in biases) and not all(b is not None for b in biases):
                 raise ValueError(f"{prefix}{names}: some of the fused projections have a bias, not all")
-            p = _linear(parts, biases if biases[0] is not None else None, self.plan)
-            return [p.qs, p.scale, p.minv, p.bias]
+            return _linear(parts, biases if biases[0] is not None else None, self.plan)
 
         # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention
         before_mlp = "pre_feedforward_layernorm" if self.is_gemma else "post_attention_layernorm"

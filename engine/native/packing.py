@@ -1,40 +1,82 @@
 """Weights in the native kernels' tile layouts (see csrc/kernels.inc): Q4 (4-bit q, a scale and a minimum per
-group of 32) for the layers' linears, Q8_0 for the token embedding and lm_head. A file's Q4_0 / Q4_1 / Q4_K grids
-are packed as they are (pack_q4_grid); float weights are quantised onto Q4_1 / Q8_0, and both quantisers
+group of 32) for the layers' linears, Q6 (csrc/q6.inc) for their Q6_K, Q8_0 for the token embedding and lm_head. A
+file's Q4_0 / Q4_1 / Q4_K grids are packed as they are (pack_q4_grid); float weights are quantised onto Q4_1 / Q8_0,
+and both quantisers
 reproduce a GGUF file's grid exactly when the float weights came from one (Q4_1: every group holds its minimum at
 q = 0 and its maximum at q = 15; Q8_0: its absolute maximum at |q| = 127).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from engine.checkpoint.block_grids import SuperBlockFactors
 
 GROUP = 32  # weights per scale along K
 TILE = 16  # output rows per tile
 PACK_ROWS = 1024  # rows packed at a time (a multiple of TILE)
 
 
+_EMPTY = torch.empty(0, dtype=torch.float32)
+
+
 @dataclass
 class Q4Packed:
     qs: torch.Tensor  # uint8 [N/16 * K/8 * 16 * 4]: per tile, per octet of K, per row a uint32 of 8 nibbles
-    scale: torch.Tensor  # float16 [N/16 * K/32 * 16], or float32 where float16 cannot hold the file's (Q4_K)
+    # float16 [N/16 * K/32 * 16]; float32 where float16 cannot hold the file's; or (Q4_K) uint8 integers that
+    # scale_d / minv_d [N/16 * K/256 * 16] float32 multiply per super-block
+    scale: torch.Tensor
     minv: torch.Tensor  # the same dtype and shape
     bias: torch.Tensor  # float32 [N], or empty
     n: int
+    scale_d: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    minv_d: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    layout = "q4"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qs, self.scale, self.minv, self.bias, self.scale_d, self.minv_d]
 
 
 @dataclass
 class Q8LayerPacked:
-    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits, or a
-    fused linear with such a part (its 4-bit parts then held in bytes too)."""
+    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits."""
 
     qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2], as Q8Packed's
     scale: torch.Tensor  # float32 [N/16 * K/16 * 16]: one per 16 weights along K
     minv: torch.Tensor  # float32 [N/16 * K/32 * 16], or empty (symmetric grids)
     bias: torch.Tensor  # float32 [N], or empty
     n: int
+    layout = "q8l"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qs, self.scale, self.minv, self.bias]
+
+
+@dataclass
+class Q6Packed:
+    """Q6_K in the Q6 layout (csrc/q6.inc): 6.6 bits a weight, as in the file."""
+
+    qs: torch.Tensor  # uint8 [N/16 * K/8 * 16 * 4]: the low nibbles of q + 32, words as Q4Packed's
+    qh: torch.Tensor  # int32 [N/16 * K/16 * 16]: their high 2 bits (see q6.inc)
+    sc: torch.Tensor  # int8 [N/16 * K/16 * 16]
+    d: torch.Tensor  # float32 [N/16 * K/256 * 16]
+    bias: torch.Tensor  # float32 [N], or empty
+    n: int
+    layout = "q6"
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qs, self.qh, self.sc, self.d, self.bias]
+
+
+LinearSpec = list[tuple[str, int, list[torch.Tensor]]]
+
+
+def linear_spec(*parts: Q4Packed | Q8LayerPacked | Q6Packed) -> LinearSpec:
+    """A linear as the native step takes it: its parts along N, each in its own layout."""
+    return [(p.layout, p.n, p.tensors()) for p in parts]
 
 
 @dataclass
@@ -100,16 +142,11 @@ def can_pack_q4_exactly(scale: torch.Tensor, minv: torch.Tensor) -> bool:
     return _fits_half(scale) and _fits_half(minv)
 
 
-def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias: torch.Tensor | None) -> Q4Packed:
-    """q [N, K] in 0..15 (any integer dtype), scale / minv [N, K/32]: kept in float16 when float16 holds every
-    one of them (Q4_0, Q4_1: half the bytes to read), else in float32 (Q4_K's d * sc_j, dmin * m_j)."""
-    scale_dtype = torch.float16 if can_pack_q4_exactly(scale, minv) else torch.float32
-    n, k = q.shape
-    padded = -(-n // TILE) * TILE
-    q, scale, minv = _pad_rows(q, padded), _pad_rows(scale.float(), padded), _pad_rows(minv.float(), padded)
-    # per octet of K a little-endian uint32: column 8o + 2i at bits 4i, column 8o + 2i + 1 at bits 16 + 4i
-    # (i = 0..3), i.e. its bytes are the nibble pairs (0, 2), (4, 6), (1, 3), (5, 7); built in bytes, PACK_ROWS
-    # rows at a time
+def _nibble_words(q: torch.Tensor) -> torch.Tensor:
+    """q [Np, K] in 0..15 -> the Q4 layout's words in bytes: per octet of K a little-endian uint32, column 8o + 2i
+    at bits 4i, column 8o + 2i + 1 at bits 16 + 4i (i = 0..3), i.e. its bytes are the nibble pairs (0, 2), (4, 6),
+    (1, 3), (5, 7); built PACK_ROWS rows at a time."""
+    padded, k = q.shape
     octets = torch.empty(padded * k // 2, dtype=torch.uint8)
     for r in range(0, padded, PACK_ROWS):
         rows = q[r : r + PACK_ROWS].to(torch.uint8).view(-1, k // 8, 8)
@@ -117,14 +154,56 @@ def pack_q4_grid(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bias:
         word_bytes = torch.stack([rows[..., lo] | rows[..., hi] << 4 for lo, hi in pairs], -1)
         tiles = word_bytes.view(-1, TILE, k // 8, 4).transpose(1, 2)  # [rows/16, K/8, 16, 4]
         octets[r * k // 2 : (r + rows.shape[0]) * k // 2] = tiles.reshape(-1)
-    empty = torch.empty(0, dtype=torch.float32)
-    return Q4Packed(
-        octets,
-        _tiles(scale.to(scale_dtype)),
-        _tiles(minv.to(scale_dtype)),
-        empty if bias is None else bias.float().contiguous(),
-        n,
-    )
+    return octets
+
+
+def _factor_tiles(values: np.ndarray, padded: int, dtype: torch.dtype) -> torch.Tensor:
+    return _tiles(_pad_rows(torch.from_numpy(np.ascontiguousarray(values)).to(dtype), padded))
+
+
+def pack_q4_grid(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    minv: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: SuperBlockFactors | None = None,
+) -> Q4Packed:
+    """q [N, K] in 0..15 (any integer dtype), scale / minv [N, K/32]: kept in float16 when float16 holds every
+    one of them (Q4_0, Q4_1: half the bytes to read), else as a K-quant's factors when given (Q4_K: 1.5 bytes a
+    group), else in float32."""
+    n, k = q.shape
+    padded = -(-n // TILE) * TILE
+    b = _EMPTY if bias is None else bias.float().contiguous()
+    octets = _nibble_words(_pad_rows(q, padded))
+    if factors is not None and not can_pack_q4_exactly(scale, minv):
+        assert factors.m is not None and factors.neg_dmin is not None and k % 256 == 0
+        return Q4Packed(
+            octets, _factor_tiles(factors.sc, padded, torch.uint8), _factor_tiles(factors.m, padded, torch.uint8), b, n,
+            _factor_tiles(factors.d, padded, torch.float32), _factor_tiles(factors.neg_dmin, padded, torch.float32),
+        )  # fmt: skip
+    scale_dtype = torch.float16 if can_pack_q4_exactly(scale, minv) else torch.float32
+    scale, minv = _pad_rows(scale.float(), padded), _pad_rows(minv.float(), padded)
+    return Q4Packed(octets, _tiles(scale.to(scale_dtype)), _tiles(minv.to(scale_dtype)), b, n)
+
+
+# The Q6 layout's high-bit bytes: bit pair j of byte b holds the high bits of column QUADS[j][b] of the two octets
+Q6_QUADS = ((0, (0, 4, 1, 5)), (0, (2, 6, 3, 7)), (1, (0, 4, 1, 5)), (1, (2, 6, 3, 7)))  # (octet, its columns)
+
+
+def pack_q6_grid(q: torch.Tensor, factors: SuperBlockFactors, bias: torch.Tensor | None) -> Q6Packed:
+    """A Q6_K grid: q [N, K] in -32..31, factors.sc [N, K/16] int8, factors.d [N, K/256]."""
+    n, k = q.shape
+    padded = -(-n // TILE) * TILE
+    u = _pad_rows((q.to(torch.int16) + 32).to(torch.uint8), padded)
+    high = (u >> 4).view(padded, k // 16, 2, 8)
+    words = torch.zeros(padded, k // 16, 4, dtype=torch.uint8)
+    for j, (octet, columns) in enumerate(Q6_QUADS):
+        words |= high[:, :, octet, list(columns)] << (2 * j)
+    qh = _tiles(words.view(padded, k // 16 * 4).view(torch.int32))
+    return Q6Packed(
+        _nibble_words(u & 0x0F), qh, _factor_tiles(factors.sc, padded, torch.int8),
+        _factor_tiles(factors.d, padded, torch.float32), _EMPTY if bias is None else bias.float().contiguous(), n,
+    )  # fmt: skip
 
 
 def pack_q8_grid(q: torch.Tensor, scale: torch.Tensor) -> Q8Packed:

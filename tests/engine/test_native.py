@@ -35,8 +35,10 @@ from engine.native.packing import (
     can_pack_q4_exactly,
     dequantize_q4,
     dequantize_q8,
+    linear_spec,
     pack_q4,
     pack_q4_grid,
+    pack_q6_grid,
     pack_q8,
     pack_q8_layer_grid,
     q4_grid_reference,
@@ -116,14 +118,14 @@ def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: 
             q4, q8 = pack_q4(w, b), pack_q8(w)
             for m in (1, 7, 8, 33):
                 x = torch.randn(m, k, generator=gen)
-                y = ops.linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n)
+                y = ops.linear(x, linear_spec(q4), n)
                 # int8 activations: exact integer dot products, float32 scaling
                 torch.testing.assert_close(y.double(), q4_reference(x, w) + b.double(), atol=2e-4, rtol=1e-5)
                 # and within int16 rounding of the float product (measured: under 1e-4 of the largest output)
                 exact = x.double() @ dequantize_q4(w).double().T + b.double()
                 assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
                 # each row alone gives the same bits as in any batch (the batch-invariance invariant)
-                alone = torch.cat([ops.linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n) for i in range(m)])
+                alone = torch.cat([ops.linear(x[i : i + 1], linear_spec(q4), n) for i in range(m)])
                 assert torch.equal(alone, y)
                 y8 = ops.q8_linear(x, q8.qs, q8.scale, n)
                 torch.testing.assert_close(y8.double(), q8_reference(x, w), atol=2e-4, rtol=1e-5)
@@ -146,10 +148,10 @@ def test_int8_activation_kernel_matches_its_reference_and_rows_are_independent(i
                 x[0, 5] = 0.0  # zeros, and a group with one outlier
                 x[-1, :32] *= 1e-3
                 x[-1, 7] = 40.0
-                y = ops.linear(x, q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True)
+                y = ops.linear(x, linear_spec(q4), n, is_int8=True)
                 reference = q4_reference(x, w, INT8_STEPS) + b.double()
                 torch.testing.assert_close(y.double(), reference, atol=2e-4, rtol=1e-5)
-                alone = [ops.linear(x[i : i + 1], q4.qs, q4.scale, q4.minv, q4.bias, n, is_int8=True) for i in range(m)]
+                alone = [ops.linear(x[i : i + 1], linear_spec(q4), n, is_int8=True) for i in range(m)]
                 assert torch.equal(torch.cat(alone), y)
 
 
@@ -170,13 +172,13 @@ def test_q4_k_weights_run_on_their_own_grid_in_both_precisions(isa: str) -> None
             for m in (1, 5, 8, 33):
                 x = torch.randn(m, k, generator=gen)
                 for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
-                    y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n, is_int8=is_int8)
+                    y = ops.linear(x, linear_spec(packed), n, is_int8=is_int8)
                     torch.testing.assert_close(y.double(), q4_grid_reference(x, q, scale, minv, qmax), atol=2e-4, rtol=1e-5)
-                    alone = [ops.linear(x[i : i + 1], packed.qs, packed.scale, packed.minv, packed.bias, n,
+                    alone = [ops.linear(x[i : i + 1], linear_spec(packed), n,
                                            is_int8=is_int8) for i in range(m)]  # fmt: skip
                     assert torch.equal(torch.cat(alone), y)
                 exact = x.double() @ w.T  # the file's weights, within int16 rounding of the activations
-                y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n)
+                y = ops.linear(x, linear_spec(packed), n)
                 assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
 
 
@@ -199,15 +201,102 @@ def test_q8_layer_layout_runs_every_grid_type_on_its_own_values(isa: str) -> Non
             for m in (1, 5, 8, 33):
                 x = torch.randn(m, k, generator=gen)
                 for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
-                    y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n, is_int8=is_int8)
+                    y = ops.linear(x, linear_spec(packed), n, is_int8=is_int8)
                     expected = q8_layer_reference(x, q, scale16, minv, qmax) + bias.double()
                     torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-5)
-                    alone = [ops.linear(x[i : i + 1], packed.qs, packed.scale, packed.minv, packed.bias, n,
+                    alone = [ops.linear(x[i : i + 1], linear_spec(packed), n,
                                         is_int8=is_int8) for i in range(m)]  # fmt: skip
                     assert torch.equal(torch.cat(alone), y)
                 exact = x.double() @ w.T + bias.double()  # the file's weights, within int16 rounding
-                y = ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, n)
+                y = ops.linear(x, linear_spec(packed), n)
                 assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max(), type_name
+
+
+def random_grid(rng: np.random.Generator, type_name: str, n: int, k: int):
+    return grid_of(StoredTensor((n, k), type_name, lambda: random_blocks(rng, type_name, n, k)))
+
+
+def num_weight_bytes(packed) -> int:
+    return sum(t.numel() * t.element_size() for t in packed.tensors() if t is not packed.bias)
+
+
+def both_precisions(x: torch.Tensor, spec, n: int) -> list[torch.Tensor]:
+    return [ops.linear(x, spec, n, is_int8=is_int8) for is_int8 in (False, True)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_file_sized_layouts_give_the_bits_of_the_float32_scaled_ones(isa: str) -> None:
+    """Q4_K with its 6-bit scales times a float32 per super-block (4.75 bits a weight, against 6 with float32
+    scales) and Q6_K in the Q6 layout (6.6 bits, against 10 in the Q8 layer layout) multiply the same float32
+    scales and sum the same integers: the same bits in both precisions, rows independent, with a bias."""
+    rng = np.random.default_rng(6)
+    gen = torch.Generator().manual_seed(6)
+    with on_isa(isa):
+        for n, k in [(48, 256), (200, 768)]:
+            bias = torch.randn(n, generator=gen)
+            g4 = random_grid(rng, "Q4_K", n, k)
+            q, scale, minv = (torch.from_numpy(a) for a in (g4.q, g4.scale, g4.minv))
+            small, wide = pack_q4_grid(q, scale, minv, bias, g4.factors), pack_q4_grid(q, scale, minv, bias)
+            assert small.scale.dtype == torch.uint8 and wide.scale.dtype == torch.float32
+            g6 = random_grid(rng, "Q6_K", n, k)
+            q6 = pack_q6_grid(torch.from_numpy(g6.q), g6.factors, bias)
+            q8l = pack_q8_layer_grid(torch.from_numpy(g6.q), torch.from_numpy(g6.scale), None, bias)
+            assert num_weight_bytes(q6) < 0.7 * num_weight_bytes(q8l)
+            assert num_weight_bytes(small) < 0.8 * num_weight_bytes(wide)
+            for m in (1, 5, 8, 9, 33):
+                x = torch.randn(m, k, generator=gen)
+                x[-1, 3] = 30.0  # an outlier in a group
+                for packed, reference in ((small, wide), (q6, q8l)):
+                    ys = both_precisions(x, linear_spec(packed), n)
+                    for y, expected in zip(ys, both_precisions(x, linear_spec(reference), n)):
+                        assert torch.equal(y, expected), (packed.layout, n, k, m)
+                    for i in range(m):
+                        alone = both_precisions(x[i : i + 1], linear_spec(packed), n)
+                        assert all(torch.equal(a[0], y[i]) for a, y in zip(alone, ys))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_linear_of_parts_in_several_layouts_is_their_outputs_side_by_side(isa: str) -> None:
+    """A q/k/v whose v is Q6_K: q and k run in the Q4 layout, v in the Q6 one, each writing its columns."""
+    rng = np.random.default_rng(7)
+    gen = torch.Generator().manual_seed(7)
+    k = 512
+    parts = []
+    for type_name, n in (("Q4_K", 64), ("Q6_K", 32), ("Q5_0", 16)):
+        g = random_grid(rng, type_name, n, k)
+        q = torch.from_numpy(g.q)
+        if type_name == "Q4_K":
+            parts.append(pack_q4_grid(q, torch.from_numpy(g.scale), torch.from_numpy(g.minv), None, g.factors))
+        elif type_name == "Q6_K":
+            parts.append(pack_q6_grid(q, g.factors, None))
+        else:
+            parts.append(pack_q8_layer_grid(q, torch.from_numpy(g.scale), torch.from_numpy(g.minv), None))
+    with on_isa(isa):
+        x = torch.randn(5, k, generator=gen)
+        for fused, side_by_side in zip(
+            both_precisions(x, linear_spec(*parts), 112),
+            zip(*(both_precisions(x, linear_spec(p), p.n) for p in parts)),
+        ):
+            assert torch.equal(fused, torch.cat(side_by_side, dim=1))
+        with pytest.raises(RuntimeError, match="parts make 112 outputs"):
+            ops.linear(x, linear_spec(*parts), 100)
+
+
+def test_q6_and_super_block_layouts_of_avx512_and_avx2_give_the_same_bits() -> None:
+    isas = [isa for isa in ("avx512", "avx2") if isa in available_isas()]
+    if len(isas) < 2:
+        pytest.skip("needs a CPU with both AVX-512 and AVX2")
+    rng = np.random.default_rng(8)
+    g4, g6 = random_grid(rng, "Q4_K", 64, 512), random_grid(rng, "Q6_K", 64, 512)
+    q = torch.from_numpy(g4.q)
+    q4 = pack_q4_grid(q, torch.from_numpy(g4.scale), torch.from_numpy(g4.minv), None, g4.factors)
+    q6 = pack_q6_grid(torch.from_numpy(g6.q), g6.factors, None)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(8))
+    results = []
+    for isa in isas:
+        with on_isa(isa):
+            results.append([y for p in (q4, q6) for y in both_precisions(x, linear_spec(p), 64)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_q8_layer_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
@@ -222,7 +311,7 @@ def test_q8_layer_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
     outputs = []
     for isa in isas:
         with on_isa(isa):
-            outputs.append(ops.linear(x, packed.qs, packed.scale, packed.minv, packed.bias, 64))
+            outputs.append(ops.linear(x, linear_spec(packed), 64))
     assert torch.equal(outputs[0], outputs[1])
 
 
@@ -238,7 +327,7 @@ def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
         outs = []
         for isa in isas:
             ops.set_isa(isa)
-            outs.append(ops.linear(x, q4.qs, q4.scale, q4.minv, q4.bias, 200, is_int8=True))
+            outs.append(ops.linear(x, linear_spec(q4), 200, is_int8=True))
     finally:
         ops.set_isa("best")
     assert torch.equal(outs[0], outs[1])

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <immintrin.h>
@@ -72,6 +73,8 @@ inline vi8 madd_bcast8(vi8 w, const short* x) {
 }
 inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vi8 load_u8x8(const unsigned char* p) { return (vi8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline vi8 load_s8x8(const signed char* p) { return (vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
 }
@@ -162,6 +165,8 @@ inline vi8 madd_bcast8(vi8 w, const short* x) {
 }
 inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline vi8 load_u8x8(const unsigned char* p) { return (vi8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+inline vi8 load_s8x8(const signed char* p) { return (vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
 }
@@ -271,6 +276,16 @@ inline vu8 load_u16x8(const unsigned short* p) {
   return v;
 }
 inline vf8 load_f16x8(const unsigned short* p) { return half_to_float<vu8, vf8>(load_u16x8(p)); }
+inline vi8 load_u8x8(const unsigned char* p) {
+  vi8 v;
+  for (int i = 0; i < 8; i++) v[i] = p[i];
+  return v;
+}
+inline vi8 load_s8x8(const signed char* p) {
+  vi8 v;
+  for (int i = 0; i < 8; i++) v[i] = p[i];
+  return v;
+}
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   vi8 v;
   for (int i = 0; i < 8; i++) v[i] = (int)(unsigned short)(short)p[2 * i] | ((int)(short)p[2 * i + 1] << 16);
@@ -313,6 +328,7 @@ struct Kernels {
   decltype(&isa_base::q4_gemm_i8) q4_gemm_i8;
   decltype(&isa_base::q8_gemm) q8_gemm;
   decltype(&isa_base::q8l_gemm) q8l_gemm;
+  decltype(&isa_base::q6_gemm) q6_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
   decltype(&isa_base::silu_mul) silu_mul;
@@ -329,7 +345,7 @@ struct Kernels {
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8l_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
+    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8l_gemm, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
         ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream \
   }
 
@@ -380,21 +396,29 @@ const unsigned short* half_bits(const at::Tensor& t) { return (const unsigned sh
 
 // The rows of a linear's input, each quantised once per group of 32, to int16 steps (precision "exact") or int8
 // steps (is_int8: llama.cpp's activations), with their group scales and sums; `bytes` also packs the int8 values
-// for the kernels that multiply bytes (pack_x8).
+// for the kernels that multiply bytes (pack_x8), `sums16` adds the integer sum of each 16 (the Q6 layout's).
 struct QuantizedRows {
   std::vector<short> xq;
   std::vector<signed char> x8;
   std::vector<float> sx, xsum;
+  std::vector<int> xsum16;
 
-  QuantizedRows(const float* x, long ldx, int M, int K, bool is_int8, bool bytes)
-      : xq((size_t)M * K), x8(bytes ? (size_t)M * K : 0), sx((size_t)M * (K / 32)), xsum(sx.size()) {
+  QuantizedRows(const float* x, long ldx, int M, int K, bool is_int8, bool bytes, bool sums16 = false)
+      : xq((size_t)M * K), x8(bytes ? (size_t)M * K : 0), sx((size_t)M * (K / 32)), xsum(sx.size()),
+        xsum16(sums16 ? (size_t)M * (K / 16) : 0) {
     const Kernels& kern = kernels();
     const int G = K / 32;
     const float qmax = is_int8 ? 127.0f : 32767.0f;
     at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; r++) {
+        const short* row = xq.data() + r * K;
         kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
-        if (bytes) kern.pack_x8(xq.data() + r * K, K, x8.data() + r * K);
+        if (bytes) kern.pack_x8(row, K, x8.data() + r * K);
+        for (int h = 0; sums16 && h < K / 16; h++) {
+          int sum = 0;
+          for (int i = 0; i < 16; i++) sum += row[h * 16 + i];
+          xsum16[r * (K / 16) + h] = sum;
+        }
       }
     });
   }
@@ -408,101 +432,156 @@ const float* optional_f32(const at::Tensor& t, int64_t n, const char* what) {
   return t.data_ptr<float>();
 }
 
-// A Q4_1 linear in the tile layout of kernels.inc; bias optional (empty tensor).
+void check_tensor(const at::Tensor& t, at::ScalarType type, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n, what, ": wrong dtype or size");
+}
+
+// A linear in the Q4 layout of kernels.inc, [qs, scale, minv, bias, scale_d, minv_d]: scale / minv float16 (Q4_0,
+// Q4_1), float32, or uint8 integers times float32 per super-block (Q4_K's own: scale_d / minv_d, else empty).
 struct Q4Linear {
-  at::Tensor qs, scale, minv, bias;
+  std::vector<at::Tensor> t;
   int K = 0, N = 0;
+  Q4ScaleArgs scales{};
   const float* bias_data = nullptr;  // checked once, here
 
   Q4Linear() = default;
-  Q4Linear(at::Tensor qs_, at::Tensor scale_, at::Tensor minv_, at::Tensor bias_, int K_, int N_)
-      : qs(qs_), scale(scale_), minv(minv_), bias(bias_), K(K_), N(N_) {
-    const int tiles = (N + 15) / 16;
+  Q4Linear(const std::vector<at::Tensor>& t_, int K_, int N_) : t(t_), K(K_), N(N_) {
+    TORCH_CHECK(t.size() == 6, "a Q4 linear is [qs, scale, minv, bias, scale_d, minv_d]");
+    const int64_t tiles = (N + 15) / 16, groups = tiles * (K / 32) * 16;
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q4 linear: K must be a positive multiple of 32");
-    TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 8,
-                "Q4 linear: bad qs");
-    // float16 scales as Q4_0 / Q4_1 store them, or float32 where the file's are products (Q4_K)
-    TORCH_CHECK((scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) && scale.is_contiguous() &&
-                    minv.scalar_type() == scale.scalar_type() && minv.is_contiguous(),
-                "Q4 linear: scale and minv must be contiguous, both float16 or both float32");
-    TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16 && minv.numel() == scale.numel(),
-                "Q4 linear: bad scales");
-    bias_data = optional_f32(bias, N, "Q4 linear: bias");
+    check_tensor(t[0], at::kByte, tiles * K * 8, "Q4 linear: qs");
+    const at::ScalarType type = t[1].scalar_type();
+    TORCH_CHECK(type == at::kHalf || type == at::kFloat || type == at::kByte, "Q4 linear: scales are f16, f32 or u8");
+    check_tensor(t[1], type, groups, "Q4 linear: scale");
+    check_tensor(t[2], type, groups, "Q4 linear: minv");
+    scales = {type == at::kHalf ? Q4_SCALES_F16 : type == at::kFloat ? Q4_SCALES_F32 : Q4_SCALES_SUPER,
+              t[1].data_ptr(), t[2].data_ptr(), nullptr, nullptr};
+    if (type == at::kByte) {
+      TORCH_CHECK(K % 256 == 0, "Q4 linear: super-block scales need K a multiple of 256");
+      check_tensor(t[4], at::kFloat, groups / 8, "Q4 linear: scale_d");
+      check_tensor(t[5], at::kFloat, groups / 8, "Q4 linear: minv_d");
+      scales.scale_d = t[4].data_ptr<float>();
+      scales.minv_d = t[5].data_ptr<float>();
+    }
+    bias_data = optional_f32(t[3], N, "Q4 linear: bias");
   }
 
   // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised once, to int16 steps
   // (precision "exact") or int8 steps (is_int8: twice the multiply-add rate, llama.cpp's activations).
-  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8 = false) const {
-    const int tiles = (N + 15) / 16;
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, is_int8);
-    const short* xq = rows.xq.data();
-    const float *sx = rows.sx.data(), *xsum = rows.xsum.data();
-    const float* b = bias_data;
-    const unsigned char* q = qs.data_ptr<unsigned char>();
-    const void *s = scale.data_ptr(), *m = minv.data_ptr();
-    const bool f32 = scale.scalar_type() == at::kFloat;
-    const int k = K, n = N;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const unsigned char* q = t[0].data_ptr<unsigned char>();
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
       if (is_int8)
-        kern.q4_gemm_i8(q, s, m, f32, k, n, b, xq, rows.x8.data(), sx, xsum, M, y, ldy, (int)t0, (int)t1);
+        kern.q4_gemm_i8(q, scales, K, N, bias_data, rows.xq.data(), rows.x8.data(), rows.sx.data(), rows.xsum.data(),
+                        M, y, ldy, (int)t0, (int)t1);
       else
-        kern.q4_gemm(q, s, m, f32, k, n, b, xq, sx, xsum, M, y, ldy, (int)t0, (int)t1);
+        kern.q4_gemm(q, scales, K, N, bias_data, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy, (int)t0,
+                     (int)t1);
     });
   }
 };
 
-// A layer's linear in the Q8 layer layout of kernels.inc (q8l_micro): the file's own grid for the types whose q
-// needs more than 4 bits (Q5_x, Q6_K, Q8_0); minv and bias optional (empty tensors).
+// A layer's linear in the Q8 layer layout of kernels.inc (q8l_micro), [qs, scale, minv, bias]: the file's own grid
+// for the types whose q needs more than 4 bits (Q5_x, Q8_0); minv and bias optional (empty tensors).
 struct Q8Linear {
-  at::Tensor qs, scale, minv, bias;
+  std::vector<at::Tensor> t;
   int K = 0, N = 0;
   const float *minv_data = nullptr, *bias_data = nullptr;  // checked once, here
 
   Q8Linear() = default;
-  Q8Linear(at::Tensor qs_, at::Tensor scale_, at::Tensor minv_, at::Tensor bias_, int K_, int N_)
-      : qs(qs_), scale(scale_), minv(minv_), bias(bias_), K(K_), N(N_) {
-    const int tiles = (N + 15) / 16;
+  Q8Linear(const std::vector<at::Tensor>& t_, int K_, int N_) : t(t_), K(K_), N(N_) {
+    TORCH_CHECK(t.size() == 4, "a Q8 layer linear is [qs, scale, minv, bias]");
+    const int64_t tiles = (N + 15) / 16;
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q8 linear: K must be a positive multiple of 32");
-    TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.numel() == (int64_t)tiles * K * 16,
-                "Q8 linear: bad qs");
-    check_f32(scale, "scale");
-    TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 16) * 16, "Q8 linear: bad scales");
-    minv_data = optional_f32(minv, (int64_t)tiles * (K / 32) * 16, "Q8 linear: minv");
-    bias_data = optional_f32(bias, N, "Q8 linear: bias");
+    check_tensor(t[0], at::kChar, tiles * K * 16, "Q8 linear: qs");
+    check_tensor(t[1], at::kFloat, tiles * (K / 16) * 16, "Q8 linear: scale");
+    minv_data = optional_f32(t[2], tiles * (K / 32) * 16, "Q8 linear: minv");
+    bias_data = optional_f32(t[3], N, "Q8 linear: bias");
   }
 
-  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8 = false) const {
-    const int tiles = (N + 15) / 16;
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    const float *b = bias_data, *m = minv_data;
-    const signed char* q = qs.data_ptr<signed char>();
-    const float* s = scale.data_ptr<float>();
-    const int k = K, n = N;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      kern.q8l_gemm(q, s, m, k, n, b, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy, (int)t0, (int)t1);
+    const signed char* q = t[0].data_ptr<signed char>();
+    const float* s = t[1].data_ptr<float>();
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+      kern.q8l_gemm(q, s, minv_data, K, N, bias_data, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy,
+                    (int)t0, (int)t1);
     });
   }
 };
 
-// A layer's linear in either layout, told apart by the dtype of its q: uint8 nibbles (Q4) or int8 (Q8 layer).
-struct Linear {
-  Q4Linear q4;
-  Q8Linear q8;
-  bool is_q8 = false;
+// A linear in the Q6 layout of q6.inc (Q6_K), [qs, qh, sc, d, bias]; bias optional.
+struct Q6Linear {
+  std::vector<at::Tensor> t;
+  int K = 0, N = 0;
+  const float* bias_data = nullptr;
 
-  Linear() = default;
-  Linear(const std::vector<at::Tensor>& t, int K, int N) {
-    TORCH_CHECK(t.size() == 4, "a linear is [qs, scale, minv, bias]");
-    is_q8 = t[0].scalar_type() == at::kChar;
-    if (is_q8) q8 = Q8Linear(t[0], t[1], t[2], t[3], K, N);
-    else q4 = Q4Linear(t[0], t[1], t[2], t[3], K, N);
+  Q6Linear() = default;
+  Q6Linear(const std::vector<at::Tensor>& t_, int K_, int N_) : t(t_), K(K_), N(N_) {
+    TORCH_CHECK(t.size() == 5, "a Q6 linear is [qs, qh, sc, d, bias]");
+    const int64_t tiles = (N + 15) / 16;
+    TORCH_CHECK(K % 256 == 0 && K > 0, "Q6 linear: K must be a positive multiple of 256");
+    check_tensor(t[0], at::kByte, tiles * K * 8, "Q6 linear: qs");
+    check_tensor(t[1], at::kInt, tiles * (K / 16) * 16, "Q6 linear: qh");
+    check_tensor(t[2], at::kChar, tiles * (K / 16) * 16, "Q6 linear: sc");
+    check_tensor(t[3], at::kFloat, tiles * (K / 256) * 16, "Q6 linear: d");
+    bias_data = optional_f32(t[4], N, "Q6 linear: bias");
   }
 
   void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
-    if (is_q8) q8.run(x, ldx, M, y, ldy, is_int8);
-    else q4.run(x, ldx, M, y, ldy, is_int8);
+    const Kernels& kern = kernels();
+    const QuantizedRows rows(x, ldx, M, K, is_int8, is_int8, true);
+    const unsigned char* qs = t[0].data_ptr<unsigned char>();
+    const unsigned* qh = (const unsigned*)t[1].data_ptr<int>();
+    const signed char* sc = t[2].data_ptr<signed char>();
+    const float* d = t[3].data_ptr<float>();
+    const signed char* x8 = is_int8 ? rows.x8.data() : nullptr;
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+      kern.q6_gemm(qs, qh, sc, d, K, N, bias_data, rows.xq.data(), x8, rows.sx.data(), rows.xsum16.data(), M, y, ldy,
+                   (int)t0, (int)t1);
+    });
+  }
+};
+
+// A layer's linear: one or more parts along N (q, k and v; gate and up), each in its own layout, named by the
+// packing ("q4", "q8l", "q6"): a q/k/v whose v is Q6_K runs q and k in the Q4 layout and v in the Q6 one.
+typedef std::vector<std::tuple<std::string, int64_t, std::vector<at::Tensor>>> LinearSpec;
+
+struct Linear {
+  struct Part {
+    int layout = 0;  // 0 Q4, 1 Q8 layer, 2 Q6
+    int n0 = 0;
+    Q4Linear q4;
+    Q8Linear q8;
+    Q6Linear q6;
+  };
+  std::vector<Part> parts;
+
+  Linear() = default;
+  Linear(const LinearSpec& spec, int K, int N) {
+    int n0 = 0;
+    for (const auto& [layout, n, tensors] : spec) {
+      Part p;
+      p.n0 = n0;
+      if (layout == "q4") p.q4 = Q4Linear(tensors, K, (int)n);
+      else if (layout == "q8l") p.layout = 1, p.q8 = Q8Linear(tensors, K, (int)n);
+      else if (layout == "q6") p.layout = 2, p.q6 = Q6Linear(tensors, K, (int)n);
+      else TORCH_CHECK(false, "unknown linear layout ", layout);
+      parts.push_back(p);
+      n0 += (int)n;
+    }
+    TORCH_CHECK(n0 == N, "a linear's parts make ", n0, " outputs, expected ", N);
+  }
+
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
+    for (const Part& p : parts) {
+      if (p.layout == 0) p.q4.run(x, ldx, M, y + p.n0, ldy, is_int8);
+      else if (p.layout == 1) p.q8.run(x, ldx, M, y + p.n0, ldy, is_int8);
+      else p.q6.run(x, ldx, M, y + p.n0, ldy, is_int8);
+    }
   }
 };
 
@@ -553,12 +632,11 @@ struct Layer {
 const float* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 // One layer linear of either layout (the dtype of qs tells which), as the step runs it.
-at::Tensor linear(at::Tensor x, at::Tensor qs, at::Tensor scale, at::Tensor minv, at::Tensor bias, int64_t N,
-                  bool is_int8) {
+at::Tensor linear(at::Tensor x, const LinearSpec& spec, int64_t N, bool is_int8) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   const int M = x.size(0), K = x.size(1);
-  Linear w({qs, scale, minv, bias}, K, N);
+  Linear w(spec, K, N);
   at::Tensor y = at::empty({M, (int64_t)N}, x.options());
   w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N, is_int8);
   return y;
@@ -667,8 +745,8 @@ class NativeLlama {
     TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == D_ && sin_.sizes() == cos_.sizes(), "bad rope tables");
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
-                 std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
+                 const LinearSpec& gate_up, const LinearSpec& down) {
     check_f32(input_norm, "input_norm");
     check_f32(post_norm, "post_norm");
     const int qkv_n = (heads_ + 2 * kv_heads_) * D_;
@@ -930,8 +1008,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("isa", &isa);
   m.def("set_isa", &set_isa);
-  m.def("linear", &linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("minv"), py::arg("bias"),
-        py::arg("n"), py::arg("is_int8") = false, release());
+  m.def("linear", &linear, py::arg("x"), py::arg("parts"), py::arg("n"), py::arg("is_int8") = false, release());
   m.def("q8_linear", &q8_linear, release());
   m.def("madd_peak", &madd_peak, py::arg("iterations"), py::arg("is_int8") = false, release());
   m.def("read_stream", &read_stream, release());
