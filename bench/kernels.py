@@ -7,7 +7,8 @@ For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_
   kernels' instruction and for the int8 kernels' (vpdpbusd, pmaddubsw), and a streaming read of 256 MiB (bytes/s);
 - the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) with int16 activations
   ("q4", precision "exact") and int8 ones ("q4i8", precision "int8", against the int8 peak), the down projection
-  in the layouts of a downloaded file's other types ("q4f": Q4_K's float32 scales, "q8l": Q5_x / Q6_K / Q8_0), the
+  in the layouts of a downloaded file's other types ("q4f": float32 scales, "q8l": Q5_x / Q8_0, with int16
+  activations; "q4k": Q4_K's own 6-bit scales per super-block, "q6": Q6_K, with int8 activations), the
   Q8_0 lm_head (576 -> 49152), for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s
   and % of the read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 DEFAULT_ROWS = (1, 8, 32, 128, 512)
+INT8_KINDS = ("q4i8", "q4k", "q6")  # the kinds measured with int8 activations
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152  # SmolLM2-135M
 
 
@@ -43,7 +45,8 @@ class Shape:
     k: int
     n: int
     # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8"), "q4f" (the Q4 layout with float32
-    # scales: a Q4_K file's), "q8l" (the Q8 layer layout: Q5_x / Q6_K / Q8_0 layers) or "q8" (the lm_head)
+    # scales), "q8l" (the Q8 layer layout: Q5_x / Q8_0 layers), "q4k" (Q4_K's super-block scales, int8), "q6" (Q6_K,
+    # int8) or "q8" (the lm_head)
     kind: str
 
 
@@ -54,7 +57,7 @@ class Peaks:
     read_bytes: float  # bytes/s of a streaming read
 
     def madds_for(self, kind: str) -> float:
-        return self.madds_int8 if kind == "q4i8" else self.madds
+        return self.madds_int8 if kind in INT8_KINDS else self.madds
 
 
 @dataclass
@@ -117,8 +120,22 @@ def measure_peaks(ops, quick: bool) -> Peaks:
 
 def packed_layer(kind: str, w: torch.Tensor):
     """w [N, K] in the layer layout `kind` measures; float32 scales for "q4f" (scales float16 cannot hold)."""
-    from engine.native.packing import pack_q4, pack_q4_grid, pack_q8_layer_grid, q4_grid, q8_grid
+    from engine.native.packing import pack_q4, pack_q4_grid, pack_q6_grid, pack_q8_layer_grid, q4_grid, q8_grid
 
+    if kind in ("q4k", "q6"):  # random blocks of the K-quant (the speed does not depend on the values)
+        import numpy as np
+
+        from bench.synthetic_gguf import random_blocks
+        from engine.checkpoint.block_grids import grid_of
+        from engine.checkpoint.stored_tensor import StoredTensor
+
+        n, k = w.shape
+        type_name = "Q4_K" if kind == "q4k" else "Q6_K"
+        grid = grid_of(StoredTensor((n, k), type_name, lambda: random_blocks(np.random.default_rng(0), type_name, n, k)))
+        q = torch.from_numpy(grid.q)
+        if kind == "q6":
+            return pack_q6_grid(q, grid.factors, None)
+        return pack_q4_grid(q, torch.from_numpy(grid.scale), torch.from_numpy(grid.minv), None, grid.factors)
     if kind == "q4f":
         q, scale, minv = q4_grid(w)
         return pack_q4_grid(q, scale * (1 + 2.0**-15), minv, None)
@@ -135,7 +152,7 @@ def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, op
     if shape.kind != "q8":
         p = packed_layer(shape.kind, w)
         weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
-        is_int8 = shape.kind == "q4i8"
+        is_int8 = shape.kind in INT8_KINDS
 
         def run(x: torch.Tensor) -> torch.Tensor:
             return ops.linear(x, linear_spec(p), shape.n, is_int8=is_int8)
@@ -182,14 +199,13 @@ def attention_rows(ops, variant: str, rows: list[int], peaks: Peaks, opts) -> li
 def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str) -> Row:
     """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions 0..chunk-1), its
     linears' activations in `precision` ("exact": int16, "int8")."""
-    from engine.native.packing import pack_q4, pack_q8
+    from engine.native.packing import LinearSpec, linear_spec, pack_q4, pack_q8
 
     chunk, block, vocab = (32, 16, 256) if opts.quick else (256, 16, 1024)
     gen = torch.Generator().manual_seed(2)
 
-    def q4(n: int, k: int) -> list[torch.Tensor]:
-        p = pack_q4(torch.randn(n, k, generator=gen) * 0.05, None)
-        return [p.qs, p.scale, p.minv, p.bias]
+    def q4(n: int, k: int) -> LinearSpec:
+        return linear_spec(pack_q4(torch.randn(n, k, generator=gen) * 0.05, None))
 
     embed = pack_q8(torch.randn(vocab, HIDDEN, generator=gen) * 0.05)
     positions = torch.arange(chunk, dtype=torch.float32)[:, None]
@@ -223,10 +239,12 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
         peaks = measure_peaks(ops, opts.quick)
         if opts.quick:
             shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8")]
+            shapes += [Shape("small", 256, 96, kind) for kind in ("q4k", "q6")]  # K-quants: K in super-blocks of 256
         else:
             shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
                       Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4i8"), Shape("down", INTERMEDIATE, HIDDEN, "q4i8"),
                       Shape("down", INTERMEDIATE, HIDDEN, "q4f"), Shape("down", INTERMEDIATE, HIDDEN, "q8l"),
+                      Shape("down", INTERMEDIATE, HIDDEN, "q4k"), Shape("down", INTERMEDIATE, HIDDEN, "q6"),
                       Shape("lm_head", HIDDEN, VOCAB, "q8")]  # fmt: skip
         results = []
         for shape in shapes:
@@ -241,7 +259,7 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
 def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
     print(f"\n{variant}: register-only multiply-add peak {peaks.madds / 1e9:.1f} G/s (int8: {peaks.madds_int8 / 1e9:.1f}), "
           f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8, "
-          f"q4f = float32 scales (Q4_K), q8l = the Q8 layer layout (Q5_x, Q6_K, Q8_0)")
+          f"q4f = float32 scales, q8l = the Q8 layer layout (Q5_x, Q8_0); int8: q4k = Q4_K's own scales, q6 = Q6_K")
     header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
     lines = []
     for r in rows:
