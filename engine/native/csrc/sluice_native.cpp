@@ -3,8 +3,9 @@
 // scale, GeGLU instead of SwiGLU, final logit soft-cap) and per layer (q/k norms per head, post-attention and
 // post-MLP norms, the layer's own rope tables, a sliding window): Qwen 3 and Gemma 3 beside Llama.
 //
-// Weights: Q4_1 (4-bit, per 32-group scale and minimum) for every linear of the layers, Q8_0 (int8, per
-// 32-group scale) for the token embedding and lm_head: the grids of the GGUF file, reproduced exactly.
+// Weights: the layers' linears on the GGUF file's own grids (the Q4 layout for Q4_0 / Q4_1 / Q4_K, the Q6 layout for
+// Q6_K, the Q8 layer layout for the other grids; a linear's parts may differ), Q8_0 (int8, per 32-group scale) for
+// the token embedding and lm_head.
 // Activations are float32; the KV cache is the runner's (bf16 or float32, [KVH][blocks][block_size][D]),
 // written and read in place through block tables. Kernels are compiled three times (AVX-512, AVX2+FMA,
 // baseline x86-64) and chosen at run time from the CPU's features.
@@ -195,21 +196,16 @@ inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed cha
 
 namespace isa_base {
 namespace {
-inline vi load_u8x16(const unsigned char* p) {
-  vi v;
-  for (int i = 0; i < 16; i++) v[i] = p[i];
+// Each element widened into a lane of V (plain C: baseline x86-64 has no widening loads).
+template <typename V, typename T>
+inline V widen(const T* p) {
+  V v;
+  for (int i = 0; i < (int)(sizeof(V) / sizeof(v[0])); i++) v[i] = p[i];
   return v;
 }
-inline vi load_s8x16(const signed char* p) {
-  vi v;
-  for (int i = 0; i < 16; i++) v[i] = p[i];
-  return v;
-}
-inline vu load_u16x16(const unsigned short* p) {
-  vu v;
-  for (int i = 0; i < 16; i++) v[i] = p[i];
-  return v;
-}
+inline vi load_u8x16(const unsigned char* p) { return widen<vi>(p); }
+inline vi load_s8x16(const signed char* p) { return widen<vi>(p); }
+inline vu load_u16x16(const unsigned short* p) { return widen<vu>(p); }
 inline void store_u16x16(unsigned short* p, vu v) {
   for (int i = 0; i < 16; i++) p[i] = (unsigned short)v[i];
 }
@@ -270,22 +266,10 @@ inline vi8 madd_bcast8(vi8 w, const short* x) {
   __builtin_memcpy(&pair, x, 4);
   return madd8(w, (vi8){} + pair);
 }
-inline vu8 load_u16x8(const unsigned short* p) {
-  vu8 v;
-  for (int i = 0; i < 8; i++) v[i] = p[i];
-  return v;
-}
+inline vu8 load_u16x8(const unsigned short* p) { return widen<vu8>(p); }
 inline vf8 load_f16x8(const unsigned short* p) { return half_to_float<vu8, vf8>(load_u16x8(p)); }
-inline vi8 load_u8x8(const unsigned char* p) {
-  vi8 v;
-  for (int i = 0; i < 8; i++) v[i] = p[i];
-  return v;
-}
-inline vi8 load_s8x8(const signed char* p) {
-  vi8 v;
-  for (int i = 0; i < 8; i++) v[i] = p[i];
-  return v;
-}
+inline vi8 load_u8x8(const unsigned char* p) { return widen<vi8>(p); }
+inline vi8 load_s8x8(const signed char* p) { return widen<vi8>(p); }
 inline vi8 load_s8x16_as_s16x8(const signed char* p) {
   vi8 v;
   for (int i = 0; i < 8; i++) v[i] = (int)(unsigned short)(short)p[2 * i] | ((int)(short)p[2 * i + 1] << 16);
