@@ -1,6 +1,6 @@
 """Tensors on transparent huge pages (2 MiB): the KV cache's blocks lie anywhere in hundreds of MB, and the
 packed weights are streamed through once per step, so with 4 KiB pages nearly every block read and every few
-KB of weights cost a TLB miss. Linux only, and only where THP is enabled (`always` or `madvise`); elsewhere a
+KB of weights cost a TLB miss, and the hardware prefetcher, which stops at a page's end, starts again. Linux only, and only where THP is enabled (`always` or `madvise`); elsewhere a
 plain tensor, which works the same, only slower.
 """
 
@@ -32,6 +32,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     offset = -buffer.data_ptr() % HUGE_PAGE
     advise(buffer.data_ptr() + offset, num_bytes)
     return buffer[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of 1-D tensors of one dtype, on huge pages."""
+    out = zeros((sum(t.numel() for t in tensors),), tensors[0].dtype)
+    return torch.cat(tensors, out=out) if out.numel() else out
 
 
 def copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine import huge_pages
 from engine.batch import StepBatch
 from engine.checkpoint.block_grids import UNPACKERS, grid_of
 from engine.checkpoint.stored_tensor import StoredTensor
@@ -153,7 +154,8 @@ def _joined(pieces: list, n: int, bias: torch.Tensor | None = None):
     minimums when another piece has some."""
     first = pieces[0]
     skip = {"n", "bias"} | ({"minv"} if isinstance(first, Q8LayerPacked) else set())
-    joined = {name: torch.cat([getattr(p, name) for p in pieces]) for name in first.__dataclass_fields__ if name not in skip}
+    # on huge pages: every step streams each weight once (a 4 KiB page's end stops the prefetcher)
+    joined = {name: huge_pages.cat([getattr(p, name) for p in pieces]) for name in first.__dataclass_fields__ if name not in skip}
     if isinstance(first, Q8LayerPacked):
         joined["minv"] = torch.empty(0)
         if any(p.minv.numel() for p in pieces):
@@ -215,7 +217,7 @@ def _q8_matrix(tensor: StoredTensor, plan: PackPlan) -> Q8Packed:
             plan.note(tensor.type_name, "Q8", False)
             return pack_q8(tensor.to_float())
         pieces = list(_q8_pieces(tensor, plan))
-        return Q8Packed(torch.cat([p.qs for p in pieces]), torch.cat([p.scale for p in pieces]), tensor.shape[0])
+        return Q8Packed(huge_pages.cat([p.qs for p in pieces]), huge_pages.cat([p.scale for p in pieces]), tensor.shape[0])
     finally:
         tensor.release()
 
