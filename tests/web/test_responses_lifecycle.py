@@ -27,8 +27,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv(tmp_path: Path) -> None:
         engine = server.engine
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         with wrapped_execute(engine, slowed(0.02)):
+            # ENDLESS: the sampled answer cannot end on an EOS before the client leaves (it did once in CI)
             stream = client.responses.create(model=MODEL, input="Hello world " * 20, max_output_tokens=1000,
-                                             stream=True)  # fmt: skip
+                                             stream=True, text=ENDLESS)  # fmt: skip
             for event in stream:
                 if event.type == "response.output_text.delta":
                     break
