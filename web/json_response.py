@@ -8,8 +8,22 @@ import orjson
 from quart import Response
 
 
+# Characters that str.splitlines() (httpx's iter_lines and other line readers) takes for line ends but JSON may
+# leave raw in a string: escaped, an SSE event's data stays one line for every reader, and decodes the same.
+_LINE_SEPARATORS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value)
+
+
+def dumps_one_line(value: Any) -> bytes:
+    """JSON with no character any line reader splits on (U+0085, U+2028, U+2029 escaped): an SSE data line."""
+    body = orjson.dumps(value)
+    for raw, escaped in _LINE_SEPARATORS:
+        if raw in body:
+            body = body.replace(raw, escaped)
+    return body
 
 
 def json_response(value: Any, status: int = 200) -> Response:

@@ -11,7 +11,7 @@ from quart import Response
 from engine.outputs import FinishReason
 from engine.request import OutputStream
 from web.errors import error_body
-from web.json_response import dumps
+from web.json_response import dumps_one_line
 from web.metrics import RequestTimer
 from web.responses import ResponseFormat, Usage
 
@@ -20,7 +20,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse_event(payload: Any) -> bytes:
-    return b"data: " + dumps(payload) + b"\n\n"
+    return b"data: " + dumps_one_line(payload) + b"\n\n"
 
 
 def engine_error_event(message: str) -> bytes:

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import FinishReason
 from engine.request import OutputStream
-from web.json_response import dumps
+from web.json_response import dumps_one_line
 from web.metrics import RequestTimer
 from web.responses_api.output import Event, ResponseBuilder, usage_object
 from web.responses import Usage
 
 
 def encode_events(events: list[Event]) -> bytes:
-    return b"".join(b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n" for event in events)
+    return b"".join(b"event: " + event["type"].encode() + b"\ndata: " + dumps_one_line(event) + b"\n\n" for event in events)
 
 
 async def response_events(
