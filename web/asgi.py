@@ -135,10 +135,14 @@ class SluiceASGI:
             previous._run()
 
     async def _drain(self) -> None:
+        # The lifespan's shutdown drains again after a signal's drain: the engine's drain is idempotent, and the
+        # responses were waited for once already (a client that never reads is not waited for twice).
+        is_first = not self._is_draining
         self._is_draining = True
         deadline = anyio.current_time() + self.drain_timeout
         await self.engine.drain(self.drain_timeout)
-        await self._write_out(max(deadline - anyio.current_time(), self.write_timeout))
+        if is_first:
+            await self._write_out(max(deadline - anyio.current_time(), self.write_timeout))
 
     async def _write_out(self, timeout: float) -> None:
         """Wait until every open HTTP exchange has handed its last bytes to its transport (a client that never
