@@ -12,10 +12,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -985,6 +988,8 @@ class NativeLlama {
   bool gelu_tanh_ = false, is_int8_ = false;
 };
 
+#include "pack_blocks.inc"
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -997,6 +1002,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("madd_peak", &madd_peak, py::arg("iterations"), py::arg("is_int8") = false, release());
   m.def("read_stream", &read_stream, release());
   m.def("attention", &attention, release());
+  // each releases the GIL itself, once it has the blocks' buffer
+  m.def("pack_q4_k", &pack_q4_k);
+  m.def("pack_q4_legacy", &pack_q4_legacy);
+  m.def("pack_q6_k", &pack_q6_k);
+  m.def("pack_q8_0", &pack_q8_0);
   py::class_<NativeLlama>(m, "NativeLlama")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
