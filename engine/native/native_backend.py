@@ -6,6 +6,8 @@ Each linear is packed on the file's own grid: the layers' Q4_0 / Q4_1 / Q4_K in 
 Q6 layout, their Q5_x / Q8_0 in the Q8 layer layout (a fused q/k/v of several types runs each part in its own), a
 Q8_0 / Q4_0 / Q5_0 embedding and head in the Q8 layout. Float tensors and types without a grid here are quantised onto Q4_1 / Q8_0 (the head's K-quants
 too: its Q8 layout has one float16 scale per 32), and `plan` says so per tensor (the loader logs it).
+The layers' Q4_0 / Q4_1 / Q4_K and Q6_K and a Q8_0 embedding and head are packed in C++ straight from the file's
+blocks (block_packing.py); the rest in Python (packing.py's packers, the reference the C++ ones are tested against).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from engine import huge_pages
 from engine.batch import StepBatch
 from engine.checkpoint.block_grids import UNPACKERS, grid_of
 from engine.checkpoint.stored_tensor import StoredTensor
+from engine.native.block_packing import (
+    Q4_FROM_BLOCKS,
+    Q6_FROM_BLOCKS,
+    Q8_FROM_BLOCKS,
+    q4_from_blocks,
+    q6_from_blocks,
+    q8_from_blocks,
+)
 from engine.native.packing import (
     GROUP,
     PACK_ROWS,
@@ -139,8 +149,24 @@ def _layout_of(tensor: StoredTensor) -> str:
     return "q4"
 
 
-def _packed_part(tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q8LayerPacked | Q6Packed:
-    """One tensor of a linear, packed chunk by chunk in its layout, the chunks' tiles joined."""
+def _from_blocks(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q6Packed | None:
+    """The part packed in C++ straight from the file's blocks, where block_packing has its type and form."""
+    packed: Q4Packed | Q6Packed | None = None
+    if tensor.type_name in Q6_FROM_BLOCKS:
+        packed = q6_from_blocks(ops, tensor)
+    elif tensor.type_name in Q4_FROM_BLOCKS:
+        packed = q4_from_blocks(ops, tensor)
+    if packed is not None:
+        plan.note(tensor.type_name, "Q6" if isinstance(packed, Q6Packed) else "Q4", True)
+    return packed
+
+
+def _packed_part(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q8LayerPacked | Q6Packed:
+    """One tensor of a linear in its layout: from its blocks in C++, else packed chunk by chunk in Python, the
+    chunks' tiles joined."""
+    packed = _from_blocks(ops, tensor, plan)
+    if packed is not None:
+        return packed
     layout = _layout_of(tensor)
     if layout == "q6":
         return _joined(list(_q6_pieces(tensor, plan)), tensor.shape[0])
@@ -169,7 +195,7 @@ def _can_join(a: Q4Packed | Q8LayerPacked | Q6Packed, b: Q4Packed | Q8LayerPacke
     return not isinstance(a, Q4Packed) or a.scale.dtype == b.scale.dtype  # type: ignore[union-attr]
 
 
-def _linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> LinearSpec:
+def _linear(ops: ModuleType, parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> LinearSpec:
     """Linears sharing an input, fused along N (q, k, v or gate, up): each part packed on its own grid, chunk by
     chunk, and the neighbouring parts of one layout joined into one run of tiles (whole tiles when every N is a
     multiple of the tile height); the stored tensors are released once packed."""
@@ -181,7 +207,7 @@ def _linear(parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: Pa
             return linear_spec(pack_q4(torch.cat([t.to_float() for t in parts]), b))
         runs: list[list[Q4Packed | Q8LayerPacked | Q6Packed]] = []
         for t in parts:
-            packed = _packed_part(t, plan)
+            packed = _packed_part(ops, t, plan)
             t.release()
             if runs and _can_join(runs[-1][-1], packed):
                 runs[-1].append(packed)
@@ -211,11 +237,14 @@ def _q8_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q8Packed]:
     plan.note(tensor.type_name, "Q8", exact)
 
 
-def _q8_matrix(tensor: StoredTensor, plan: PackPlan) -> Q8Packed:
+def _q8_matrix(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q8Packed:
     try:
         if tensor.shape[0] % TILE:
             plan.note(tensor.type_name, "Q8", False)
             return pack_q8(tensor.to_float())
+        if tensor.type_name in Q8_FROM_BLOCKS:
+            plan.note(tensor.type_name, "Q8", True)
+            return q8_from_blocks(ops, tensor)
         pieces = list(_q8_pieces(tensor, plan))
         return Q8Packed(huge_pages.cat([p.qs for p in pieces]), huge_pages.cat([p.scale for p in pieces]), tensor.shape[0])
     finally:
@@ -241,8 +270,8 @@ class NativeBackend:
         self.vocab_size = int(cfg.vocab_size)
         self.block_size = 0
         self.plan = PackPlan()
-        embed = _q8_matrix(tensors["model.embed_tokens.weight"], self.plan)
-        head = embed if "lm_head.weight" not in tensors else _q8_matrix(tensors["lm_head.weight"], self.plan)
+        embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], self.plan)
+        head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], self.plan)
         self.is_gemma = cfg.model_type in UNIT_OFFSET_NORMS
         layer_types = list(getattr(cfg, "layer_types", None) or [None] * self.num_layers)
         # the model's rope tables, and a layer type's own when the config gives it one (Gemma 3's sliding layers)
@@ -260,7 +289,7 @@ class NativeBackend:
             self.impl.set_model_options(float(cfg.hidden_size) ** 0.5, attn_scale, True, float(cap))
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
-            self._add_layer(tensors, prefix)
+            self._add_layer(ops, tensors, prefix)
             layer_cos, layer_sin = tables[layer_types[i]] if self.is_gemma else (cos, sin)
             own = layer_cos is not cos
             self.impl.set_layer_options(
@@ -272,13 +301,13 @@ class NativeBackend:
                 layer_window(cfg, i) or 0,
             )  # fmt: skip
 
-    def _add_layer(self, tensors: Mapping[str, StoredTensor], prefix: str) -> None:
+    def _add_layer(self, ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str) -> None:
         def linear(names: list[str]) -> LinearSpec:
             parts = [tensors[prefix + n + ".weight"] for n in names]
             biases = [tensors.get(prefix + n + ".bias") for n in names]
             if any(b is not None for b in biases) and not all(b is not None for b in biases):
                 raise ValueError(f"{prefix}{names}: some of the fused projections have a bias, not all")
-            return _linear(parts, biases if biases[0] is not None else None, self.plan)
+            return _linear(ops, parts, biases if biases[0] is not None else None, self.plan)
 
         # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention
         before_mlp = "pre_feedforward_layernorm" if self.is_gemma else "post_attention_layernorm"
