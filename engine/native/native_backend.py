@@ -13,7 +13,7 @@ blocks (block_packing.py); the rest in Python (packing.py's packers, the referen
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
@@ -216,7 +216,9 @@ def _linear(ops: ModuleType, parts: list[StoredTensor], bias: list[StoredTensor]
         joined, n0 = [], 0
         for run in runs:
             n = sum(p.n for p in run)
-            joined.append(_joined(run, n, None if b is None else b[n0 : n0 + n].contiguous()))
+            run_bias = torch.empty(0) if b is None else b[n0 : n0 + n].contiguous()
+            # a part alone is on huge pages already (_packed_part): not copied again
+            joined.append(replace(run[0], bias=run_bias) if len(run) == 1 else _joined(run, n, run_bias))
             n0 += n
         return linear_spec(*joined)
     finally:
