@@ -33,6 +33,9 @@ typedef int vi8 __attribute__((vector_size(32)));
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
 namespace isa_avx512 {
 namespace {
+// Not used: the 8-lane kernels (gemm8.inc) are not this variant's.
+template <typename V>
+inline void in_register(V&) {}
 inline vi load_u8x16(const unsigned char* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vi load_s8x16(const signed char* p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vu load_u16x16(const unsigned short* p) {
@@ -99,6 +102,11 @@ inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm2
 #pragma GCC target("avx2,fma,f16c,bmi2")
 namespace isa_avx2 {
 namespace {
+// An 8-lane sum kept in its register at this point. Integer additions reassociate freely, and GCC rewrote each
+// row's running sum over a group into one tree of all its products, holding every product of 8 rows at once: the
+// kernel spilled to the stack hundreds of times a tile (the sums are exact, so any order gives the same numbers).
+template <typename V>
+inline void in_register(V& v) { asm("" : "+x"(v)); }
 inline vi join(__m256i lo, __m256i hi) {
   return __builtin_shufflevector((vi8)lo, (vi8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -199,6 +207,9 @@ inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed cha
 
 namespace isa_base {
 namespace {
+// An 8-lane vector spans two xmm here: nothing to pin (see the avx2 variant's).
+template <typename V>
+inline void in_register(V&) {}
 // Each element widened into a lane of V (plain C: baseline x86-64 has no widening loads).
 template <typename V, typename T>
 inline V widen(const T* p) {
