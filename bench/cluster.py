@@ -5,7 +5,8 @@ Servers, one after the other on free loopback ports (the default model unless --
 - throughput: 32 streams of independent prompts, on the single process and on affine replicas;
 - conversations: bench/conversations.py (many users, a long shared system prompt, multi-turn, interleaved)
   on every server: prefix-hit rate, TTFT, throughput, by policy;
-- front: 64 streams against the replicas: time to headers p99 and /health p99 (probed from a process of its own).
+- front: 64 streams against the replicas: time to headers p99 and /health p99 (probed from a process of its own),
+  and against the single process (no Ray, no hop: what the same 2 cores give one process).
 Prints one JSON summary (and writes it to --out); the targets of issue 20 are checked as ratios of this run.
 """
 
@@ -30,6 +31,7 @@ from bench.runner import LoadShape, run_level
 from bench.workload import LengthDist, build_workload
 
 POLICIES = ("affine", "round_robin", "least_loaded")
+PHASES = ("throughput", "conversations", "front")
 LOG_DIR = servers.REPO_ROOT / "bench" / "results" / "logs"
 
 
@@ -102,6 +104,9 @@ def targets(r: dict[str, Any]) -> dict[str, Any]:
     front = affine.get("front", {})
     out["headers_p99_ms (< 50)"] = front.get("headers_p99_s") and front["headers_p99_s"] * 1000
     out["health_p99_ms (< 10)"] = front.get("health_p99_s") and front["health_p99_s"] * 1000
+    alone = single.get("front", {})  # the same load on one process: the machine's share of the latency
+    out["single_process_headers_p99_ms"] = alone.get("headers_p99_s") and alone["headers_p99_s"] * 1000
+    out["single_process_health_p99_ms"] = alone.get("health_p99_s") and alone["health_p99_s"] * 1000
     return out
 
 
@@ -112,12 +117,12 @@ def conversation_shape(args: argparse.Namespace) -> ConversationShape:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"cpu": cpu_name(), "shape": asdict(conversation_shape(args))}
-    wanted = set(args.servers.split(","))
+    wanted, phases_wanted = set(args.servers.split(",")), set(args.phases.split(","))
     if "single" in wanted:
-        results["single"] = await measure("single", ["--num-threads", "2"], args, {"throughput", "conversations"})
+        results["single"] = await measure("single", ["--num-threads", "2"], args, set(PHASES) & phases_wanted)
     for policy in POLICIES:
         if policy in wanted:
-            phases = {"throughput", "conversations", "front"} if policy == "affine" else {"conversations"}
+            phases = (set(PHASES) if policy == "affine" else {"conversations"}) & phases_wanted
             extra = ["--replicas", "2", "--num-threads", "1", "--routing", policy]
             results[policy] = await measure(policy, extra, args, phases)
     results["targets"] = targets(results)
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="the model of every server (default: Sluice's default)")
     parser.add_argument("--servers", default="single," + ",".join(POLICIES), help="a subset, comma-separated")
+    parser.add_argument("--phases", default=",".join(PHASES), help="a subset, comma-separated")
     parser.add_argument("--streams", type=int, default=32, help="throughput streams (default: 32)")
     parser.add_argument("--output-tokens", type=int, default=64, help="throughput output tokens (default: 64)")
     parser.add_argument("--front-streams", type=int, default=64, help="front overhead streams (default: 64)")
