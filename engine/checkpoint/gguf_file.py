@@ -148,6 +148,11 @@ class GGUFCheckpoint:
     def _stored(self, info: TensorInfo) -> StoredTensor:
         type_name = _type_name(info.ggml_type)
         start = self._data_start + info.offset
+        if start + info.nbytes > len(self._file):
+            raise ValueError(
+                f"{self.path.name} is truncated: tensor {info.name!r} ends at byte {start + info.nbytes:,}, the file has "
+                f"{len(self._file):,} (an interrupted download or copy?)"
+            )
         raw = self._file[start : start + info.nbytes]
         shape = tuple(int(d) for d in info.shape)
         drop = _dropper(raw)

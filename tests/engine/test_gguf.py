@@ -134,3 +134,12 @@ def test_files_sluice_cannot_run_get_errors_that_name_why(tmp_path: Path) -> Non
     writer.close()
     with pytest.raises(ValueError, match="falcon"):
         load_model(EngineConfig(model=str(falcon)))
+
+
+def test_a_truncated_file_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
+    """An interrupted download: the header and tensor table are whole, the data is not."""
+    cut = tmp_path / "cut.gguf"
+    data = mixed_gguf.read_bytes()
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match="cut.gguf is truncated: tensor '.+' ends at byte"):
+        open_checkpoint(str(cut))
