@@ -165,8 +165,12 @@ class SluiceASGI:
                 gc.collect()
                 gc.freeze()
                 logger.info("engine ready")
-        except Exception:
-            logger.exception("the engine loop failed: stopping")
+        except Exception as error:
+            reasons = None if self.engine.is_loaded else _refusals(error)
+            if reasons:  # a file or setting Sluice refuses: what is wrong, not a traceback
+                logger.error("the model did not load: %s", "; ".join(reasons))
+            else:
+                logger.exception("the engine loop failed: stopping")
         if self.engine.state in (EngineState.DEAD, EngineState.STALLED):
             await anyio.sleep(FAILURE_FLUSH_SECONDS)  # the ended streams write their last events
             if self._stopped is not None:
@@ -174,6 +178,15 @@ class SluiceASGI:
                 return
             logging.shutdown()
             os._exit(exit_code(self.engine))  # never a server that answers with a dead engine
+
+
+def _refusals(error: BaseException) -> list[str] | None:
+    """The messages of a load that failed only with ValueErrors (the loader's refusals: a truncated file, an
+    unsupported architecture or type), through task groups; None for any other failure."""
+    if isinstance(error, BaseExceptionGroup):
+        found = [_refusals(e) for e in error.exceptions]
+        return None if any(f is None for f in found) else [m for f in found for m in f]  # type: ignore[union-attr]
+    return [str(error)] if isinstance(error, ValueError) else None
 
 
 def exit_code(engine: AsyncEngine) -> int:

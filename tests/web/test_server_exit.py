@@ -125,3 +125,15 @@ def test_the_readme_hypercorn_command_drains_on_a_process_group_sigterm(tiny_lla
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def test_a_model_it_refuses_ends_the_server_with_one_line_that_says_why(tmp_path: Path) -> None:
+    """A file that is not a model (here: not GGUF at all) is a mistake to name, not a crash to trace."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 8)
+    command = [sys.executable, "-m", "web.server", "--model", str(junk), "--port", str(free_port())]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    log = done.stdout + done.stderr
+    assert "the model did not load: cannot read" in log and "junk.gguf as a GGUF file" in log
+    assert "Traceback" not in log
