@@ -1,7 +1,8 @@
 """Tensors on transparent huge pages (2 MiB): the KV cache's blocks lie anywhere in hundreds of MB, and the
 packed weights are streamed through once per step, so with 4 KiB pages nearly every block read and every few
-KB of weights cost a TLB miss, and the hardware prefetcher, which stops at a page's end, starts again. Linux only, and only where THP is enabled (`always` or `madvise`); elsewhere a
-plain tensor, which works the same, only slower.
+KB of weights cost a TLB miss, and the hardware prefetcher, which stops at a page's end, starts again. Linux
+only, and only where THP is enabled (`always` or `madvise`); elsewhere a plain tensor, which works the same, only
+slower.
 """
 
 from __future__ import annotations

@@ -167,8 +167,9 @@ class SluiceASGI:
                 logger.info("engine ready")
         except Exception as error:
             reasons = None if self.engine.is_loaded else _refusals(error)
-            if reasons:  # a file or setting Sluice refuses: what is wrong, not a traceback
+            if reasons:  # a file or setting Sluice refuses: what is wrong, not a traceback (at debug level)
                 logger.error("the model did not load: %s", "; ".join(reasons))
+                logger.debug("the load's traceback", exc_info=error)
             else:
                 logger.exception("the engine loop failed: stopping")
         if self.engine.state in (EngineState.DEAD, EngineState.STALLED):

@@ -150,8 +150,8 @@ class GGUFCheckpoint:
         start = self._data_start + info.offset
         if start + info.nbytes > len(self._file):
             raise ValueError(
-                f"{self.path.name} is truncated: tensor {info.name!r} ends at byte {start + info.nbytes:,}, the file has "
-                f"{len(self._file):,} (an interrupted download or copy?)"
+                f"{self.path.name} is truncated: tensor {info.name!r} ends at byte {start + info.nbytes:,}, "
+                f"the file has {len(self._file):,} (an interrupted download or copy?)"
             )
         raw = self._file[start : start + info.nbytes]
         shape = tuple(int(d) for d in info.shape)

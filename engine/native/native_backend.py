@@ -181,7 +181,9 @@ def _joined(pieces: list, n: int, bias: torch.Tensor | None = None):
     first = pieces[0]
     skip = {"n", "bias"} | ({"minv"} if isinstance(first, Q8LayerPacked) else set())
     # on huge pages: every step streams each weight once (a 4 KiB page's end stops the prefetcher)
-    joined = {name: huge_pages.cat([getattr(p, name) for p in pieces]) for name in first.__dataclass_fields__ if name not in skip}
+    joined = {
+        name: huge_pages.cat([getattr(p, name) for p in pieces]) for name in first.__dataclass_fields__ if name not in skip
+    }
     if isinstance(first, Q8LayerPacked):
         joined["minv"] = torch.empty(0)
         if any(p.minv.numel() for p in pieces):
@@ -248,7 +250,8 @@ def _q8_matrix(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q8Packe
             plan.note(tensor.type_name, "Q8", True)
             return q8_from_blocks(ops, tensor)
         pieces = list(_q8_pieces(tensor, plan))
-        return Q8Packed(huge_pages.cat([p.qs for p in pieces]), huge_pages.cat([p.scale for p in pieces]), tensor.shape[0])
+        qs, scale = huge_pages.cat([p.qs for p in pieces]), huge_pages.cat([p.scale for p in pieces])
+        return Q8Packed(qs, scale, tensor.shape[0])
     finally:
         tensor.release()
 

@@ -17,7 +17,9 @@ from web.responses import Usage
 
 
 def encode_events(events: list[Event]) -> bytes:
-    return b"".join(b"event: " + event["type"].encode() + b"\ndata: " + dumps_one_line(event) + b"\n\n" for event in events)
+    return b"".join(
+        b"event: " + event["type"].encode() + b"\ndata: " + dumps_one_line(event) + b"\n\n" for event in events
+    )
 
 
 async def response_events(
