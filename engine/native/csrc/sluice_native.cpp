@@ -71,6 +71,7 @@ constexpr int GEMM8_ROWS = 8;
 constexpr int GEMM8_ROWS_INT8 = 8;
 typedef vf attn_vec;
 constexpr int ATTN_REGS = 32;
+typedef vf native_vf;
 // 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
 inline vi8 madd8(vi8 w, vi8 x) { return (vi8)_mm256_madd_epi16((__m256i)w, (__m256i)x); }
 inline vi8 madd_bcast8(vi8 w, const short* x) {
@@ -168,6 +169,7 @@ constexpr int GEMM8_ROWS = 4;
 constexpr int GEMM8_ROWS_INT8 = 8;
 typedef vf8 attn_vec;  // one ymm
 constexpr int ATTN_REGS = 16;
+typedef vf8 native_vf;
 // 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
 inline vi8 madd8(vi8 w, vi8 x) { return (vi8)_mm256_madd_epi16((__m256i)w, (__m256i)x); }
 inline vi8 madd_bcast8(vi8 w, const short* x) {
@@ -268,6 +270,7 @@ constexpr int GEMM8_ROWS = 2;
 constexpr int GEMM8_ROWS_INT8 = 2;
 typedef vf8 attn_vec;  // two xmm
 constexpr int ATTN_REGS = 8;
+typedef vf4 native_vf;
 inline vi8 madd8(vi8 w, vi8 x) {
   const vi4 lo = (vi4)_mm_madd_epi16((__m128i)__builtin_shufflevector(w, w, 0, 1, 2, 3),
                                      (__m128i)__builtin_shufflevector(x, x, 0, 1, 2, 3));
