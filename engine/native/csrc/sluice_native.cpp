@@ -61,7 +61,7 @@ inline vs16 maddubs8(vi8 w, vi8 x) { return (vs16)_mm256_maddubs_epi16((__m256i)
 // int8 activations run the 16-lane vpdpbusd kernel
 constexpr int INT8_GEMM_WIDTH = 16;
 inline vi round_to_int(vf v) { return (vi)_mm512_cvtps_epi32((__m512)v); }
-inline void store_s16x16(short* p, vi v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
+inline void store_s16(short* p, vi v) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)v)); }
 inline vi load_s8x32_as_s16(const signed char* p) {
   return (vi)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
 }
@@ -152,15 +152,9 @@ inline vi dot2_bcast(vi acc, vi w, const short* x) {
   __builtin_memcpy(&pair, x, 4);
   return dot2(acc, w, (vi){} + pair);
 }
-inline vi round_to_int(vf v) {
-  vf8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  return join(_mm256_cvtps_epi32((__m256)lo), _mm256_cvtps_epi32((__m256)hi));
-}
-inline void store_s16x16(short* p, vi v) {
-  vi8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  vi8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m256i packed = _mm256_packs_epi32((__m256i)lo, (__m256i)hi);  // lanes in 128-bit halves: reorder
-  _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
+inline vi8 round_to_int(vf8 v) { return (vi8)_mm256_cvtps_epi32((__m256)v); }
+inline void store_s16(short* p, vi8 v) {
+  _mm_storeu_si128((__m128i*)p, _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1)));
 }
 // 16 ymm: 4 rows' integer and float accumulators (8) + the weights, their unpacked pair and the mask.
 constexpr bool USE_GEMM8 = true;
@@ -209,6 +203,7 @@ inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed cha
 
 namespace isa_base {
 namespace {
+typedef int vi4 __attribute__((vector_size(16)));
 // An 8-lane vector spans two xmm here: nothing to pin (see the avx2 variant's).
 template <typename V>
 inline void in_register(V&) {}
@@ -255,16 +250,9 @@ inline vi dot2_bcast(vi acc, vi w, const short* x) {
   __builtin_memcpy(&pair, x, 4);
   return dot2(acc, w, (vi){} + pair);
 }
-inline vi round_to_int(vf v) {
-  vi r;
-  for (int i = 0; i < 16; i++) r[i] = (int)__builtin_lrintf(v[i]);
-  return r;
-}
-inline void store_s16x16(short* p, vi v) {
-  for (int i = 0; i < 16; i++) p[i] = (short)v[i];
-}
+inline vi4 round_to_int(vf4 v) { return (vi4)_mm_cvtps_epi32((__m128)v); }  // nearest even, as lrintf
+inline void store_s16(short* p, vi4 v) { _mm_storel_epi64((__m128i*)p, _mm_packs_epi32((__m128i)v, (__m128i)v)); }
 // 8-lane GEMM helpers on SSE2 (each 8-lane vector is two xmm of 16): 2 rows keep 8 accumulators in registers.
-typedef int vi4 __attribute__((vector_size(16)));
 constexpr bool USE_GEMM8 = true;
 constexpr int GEMM8_ROWS = 2;
 constexpr int GEMM8_ROWS_INT8 = 2;
