@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build ik_llama.cpp's llama-server from the ik_llama.cpp vendored in the ik-llama-cpp-python==0.1.5 source
 # distribution, into DIR (outside the repository; never commit it).
-#   bench/build_ik_llama_server.sh /work/peers
-# leaves DIR/ik-llama-server. Needs cmake, ninja and g++; PIP defaults to python3 -m pip. Not part of `make test`.
+#   bench/build_ik_llama_server.sh /work/peers        (PEER_ISA=avx2 ...: the AVX2 path, suffixed -avx2)
+# leaves DIR/ik-llama-server and DIR/ik-llama-server-peer, which runs it as `bench load --llama-server` starts
+# llama-server: without `--no-webui` (ik's server does not know it) and with `-fa off`. Needs cmake, ninja and g++; PIP defaults to python3 -m pip. Not part of `make test`.
 #
 # The sdist lacks common/cmake/build-info-gen-cpp.cmake (its build-info step fails without it): a small one is
 # written here. Instruction sets as in build_llama_server.sh: from this CPU's flags, AVX-512 only where present.
@@ -41,6 +42,8 @@ CMAKE
 fi
 
 cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+# PEER_ISA=avx2 builds the AVX2 path on an AVX-512 CPU too (to compare with SLUICE_ISA=avx2 on one machine)
+if [ "${PEER_ISA:-native}" = avx2 ]; then cpu_flags=$(echo "$cpu_flags" | sed -E 's/ avx512[a-z0-9_]*//g'); cpu_flags=" $cpu_flags "; fi
 has() { case "$cpu_flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 isa_options=(
     -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"
@@ -49,7 +52,7 @@ isa_options=(
 )
 echo "instruction sets: ${isa_options[*]}"
 
-build_dir="$src_root/build"
+build_dir="$src_root/build${PEER_ISA:+-$PEER_ISA}"
 cmake -S "$ik_dir" -B "$build_dir" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
@@ -59,6 +62,15 @@ cmake -S "$ik_dir" -B "$build_dir" -G Ninja \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
 cmake --build "$build_dir" --target llama-server -j "$jobs"
 
-cp "$build_dir/bin/llama-server" "$out_dir/ik-llama-server"
-"$out_dir/ik-llama-server" --version 2>&1 | tail -n 2 || true
-echo "built $out_dir/ik-llama-server"
+suffix=${PEER_ISA:+-$PEER_ISA}
+cp "$build_dir/bin/llama-server" "$out_dir/ik-llama-server$suffix"
+cat > "$out_dir/ik-llama-server-peer$suffix" <<WRAPPER
+#!/usr/bin/env bash
+# written by sluice's bench/build_ik_llama_server.sh: llama-server's arguments for ik's server
+args=()
+for arg in "\$@"; do [ "\$arg" = --no-webui ] || args+=("\$arg"); done
+exec "$out_dir/ik-llama-server$suffix" "\${args[@]}" -fa off
+WRAPPER
+chmod +x "$out_dir/ik-llama-server-peer$suffix"
+"$out_dir/ik-llama-server$suffix" --version 2>&1 | tail -n 2 || true
+echo "built $out_dir/ik-llama-server$suffix and $out_dir/ik-llama-server-peer$suffix"
