@@ -190,6 +190,17 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, torch.searchsorted(inner, rest).clamp_(max=_BLOCK - 1)).squeeze(1)
 
 
+def _native_ops():
+    """The native extension when it is built and on (sampling does not depend on the model's path), else None."""
+    from engine.native import native_ops
+
+    return native_ops()
+
+
+def _cuts_top_k_or_min_p(row: SamplingRow, vocab: int) -> bool:
+    return 0 < row.top_k < vocab or row.min_p > 0
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """[R, V] logits with NaN as -inf and +inf as the largest float; a row with no finite value becomes all 0
     (uniform), so that softmax always gives a distribution."""
@@ -269,17 +280,55 @@ class Sampler:
         return self._with_logprobs(logits, rows, tokens)
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """[S, V] penalised logits of non-greedy rows -> [S] token ids."""
+        """[S, V] penalised logits of non-greedy rows -> [S] token ids: rows without top-k or min-p in the native
+        extension's one pass per row (when it is built), the others here."""
+        ops = _native_ops()
+        native = [j for j, r in enumerate(rows) if ops is not None and not _cuts_top_k_or_min_p(r, x.shape[1])]
+        if not native:
+            return self._sample_torch(x, rows)
+        tokens = torch.empty(len(rows), dtype=torch.long)
+        rest = sorted(set(range(len(rows))) - set(native))
+        if rest:
+            tokens[rest] = self._sample_torch(_select_rows(x, rest), [rows[j] for j in rest])
+        tokens[native] = self._sample_native(ops, _select_rows(x, native), [rows[j] for j in native])
+        return tokens
+
+    def _sample_native(self, ops, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The extension's sample_rows: per row, softmax weights, one uniform number's token on their cumulative
+        sum, top-p by rejection with a new number per round (the same steps as below). A row rejected in every round
+        is sorted here."""
+        generators = self._row_generators(rows)
+        u = torch.rand(len(rows), _MAX_TOP_P_ROUNDS, generator=self._generator)
+        for j, generator in generators.items():
+            u[j] = torch.rand(_MAX_TOP_P_ROUNDS, generator=generator)
+        temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
+        tokens = ops.sample_rows(x.float().contiguous(), temperatures, top_p, torch.sub(1, u))
+        unsettled = (tokens < 0).nonzero().flatten().tolist()
+        if unsettled:
+            probs = torch.softmax(_finite(_select_rows(x, unsettled).float() / temperatures[unsettled].unsqueeze(1)), -1)
+            exact = _sorted_top_p(probs, [rows[j].top_p for j in unsettled])
+            tokens[unsettled] = _inverse_cdf(exact, self._uniforms(unsettled, generators))
+        return tokens
+
+    @staticmethod
+    def _row_generators(rows: Sequence[SamplingRow]) -> dict[int, torch.Generator]:
+        """A generator per seeded row, seeded by (seed, num_output_tokens) only: the row's numbers do not depend on
+        the batch."""
+        return {
+            j: torch.Generator().manual_seed(row_seed(row.seed, row.num_output_tokens))
+            for j, row in enumerate(rows)
+            if row.seed is not None
+        }
+
+    def _sample_torch(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         temperatures = [r.temperature for r in rows]
         if any(t != 1 for t in temperatures):
             x = x / torch.tensor(temperatures, dtype=x.dtype).unsqueeze(1)
         probs = torch.softmax(_finite(x), dim=-1)  # owned here: rejected tokens are zeroed in place
-        generators: dict[int, torch.Generator] = {}
-        for j, row in enumerate(rows):
-            if row.seed is not None:
-                generators[j] = torch.Generator().manual_seed(row_seed(row.seed, row.num_output_tokens))
+        generators = self._row_generators(rows)
 
-        if any(0 < r.top_k < x.shape[1] or r.min_p > 0 for r in rows):
+        if any(_cuts_top_k_or_min_p(r, x.shape[1]) for r in rows):
             k_mass = self._cut_top_k_and_min_p_(probs, rows)
         else:
             k_mass = [1.0] * len(rows)

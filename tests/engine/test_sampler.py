@@ -6,8 +6,20 @@ from collections import Counter
 import pytest
 import torch
 
+from engine import sampler as sampler_module
 from engine.batch import SamplingRow
+from engine.native import native_ops
 from engine.sampler import Sampler, apply_bans_, apply_penalties_, argmax_rows, row_seed, topk_rows
+
+
+@pytest.fixture(params=["native", "torch"])
+def sampling_path(request, monkeypatch) -> str:
+    """Rows without top-k or min-p sample in the native extension when it is built; "torch" turns that off."""
+    if request.param == "native" and native_ops() is None:
+        pytest.skip("the native step is not built (make install builds it)")
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "_native_ops", lambda: None)
+    return request.param
 
 
 def make_row(**overrides: object) -> SamplingRow:
@@ -58,7 +70,7 @@ def test_mixed_greedy_and_sampled_rows_keep_their_positions() -> None:
     assert [t.token_id for t in Sampler(seed=0)(logits, rows)] == [0, 7, 14, 21, 28, 35]
 
 
-def test_temperature_sampling_matches_softmax() -> None:
+def test_temperature_sampling_matches_softmax(sampling_path: str) -> None:
     probs = [0.4, 0.2, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01]
     n = 20000
     counts = draw(probs, n, seed=3)
@@ -84,14 +96,14 @@ def test_top_k_larger_than_vocab_is_off() -> None:
     assert set(counts) == {0, 1, 2, 3}
 
 
-def test_top_p_keeps_the_smallest_nucleus() -> None:
+def test_top_p_keeps_the_smallest_nucleus(sampling_path: str) -> None:
     probs = [0.1, 0.5, 0.05, 0.3, 0.05]
     assert set(draw(probs, 4000, top_p=0.75)) == {1, 3}  # 0.5 + 0.3 is the smallest set reaching 0.75
     assert set(draw(probs, 4000, top_p=0.85)) == {0, 1, 3}
     assert set(draw(probs, 500, top_p=0.01)) == {1}  # the top token is always kept
 
 
-def test_top_p_rejection_keeps_the_renormalised_distribution() -> None:
+def test_top_p_rejection_keeps_the_renormalised_distribution(sampling_path: str) -> None:
     probs = [0.05, 0.3, 0.08, 0.2, 0.1, 0.15, 0.12]
     counts = draw(probs, 9000, seed=6, top_p=0.6)  # 0.3 + 0.2 + 0.15 = 0.65: every draw needs the exact test
     assert set(counts) == {1, 3, 5}
@@ -114,7 +126,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
 
 
 @pytest.mark.parametrize("scale", [8.0, 2.0, 0.5, 0.05])
-def test_top_p_matches_a_sort_reference(scale: float) -> None:
+def test_top_p_matches_a_sort_reference(scale: float, sampling_path: str) -> None:
     gen = torch.Generator().manual_seed(5)
     vocab = 20000
     logits = torch.randn(vocab, generator=gen) * scale
@@ -127,7 +139,7 @@ def test_top_p_matches_a_sort_reference(scale: float) -> None:
         assert len(tokens) > min(250, len(allowed) // 4)
 
 
-def test_top_p_sampling_never_leaves_a_wide_nucleus() -> None:
+def test_top_p_sampling_never_leaves_a_wide_nucleus(sampling_path: str) -> None:
     vocab = 4000
     logits = torch.linspace(1.0, -1.0, vocab).expand(300, -1).contiguous()
     rows = [make_row(top_p=0.6) for _ in range(300)]
@@ -152,7 +164,7 @@ def test_filters_combine() -> None:
     assert set(draw(probs, 3000, top_k=4, top_p=0.7, min_p=0.7)) == {0, 1}
 
 
-def test_seeded_rows_ignore_batch_composition() -> None:
+def test_seeded_rows_ignore_batch_composition(sampling_path: str) -> None:
     gen = torch.Generator().manual_seed(11)
     vocab = 3000
     target = torch.randn(vocab, generator=gen)
@@ -301,7 +313,7 @@ def test_padded_vocabulary_is_ignored() -> None:
     assert out[0].logprob == pytest.approx(1.0 - math.log(9 + math.e), abs=1e-6)
 
 
-def test_wide_vocabulary_and_large_batch() -> None:
+def test_wide_vocabulary_and_large_batch(sampling_path: str) -> None:
     gen = torch.Generator().manual_seed(8)
     vocab = 49152
     logits = torch.randn(64, vocab, generator=gen) * 3
@@ -348,3 +360,34 @@ def test_block_argmax_and_topk_match_torch(vocab: int) -> None:
     expected = x[[0, 1, 3, 4]].topk(k, dim=-1)
     assert torch.equal(values, expected.values)
     assert torch.equal(ids, expected.indices)
+
+
+def test_native_rows_take_non_finite_logits_and_rejection_limits(sampling_path: str) -> None:
+    vocab = 1000  # not a multiple of any vector width or of the 256-column blocks
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(12))
+    logits[0, 7] = float("nan")
+    logits[0, 8] = float("inf")  # +inf: the largest float, so the only likely token
+    logits[1] = float("-inf")  # nothing finite: uniform
+    logits[2, :-1] = float("-inf")  # only the last column, in the short last block
+    logits[3] = float("nan")
+    rows = [make_row(), make_row(), make_row(top_p=0.5), make_row(), make_row(top_p=1e-30), make_row(top_p=0.0)]
+    for seed in range(20):
+        tokens = [t.token_id for t in Sampler(seed=seed)(logits.clone(), rows)]
+        assert tokens[0] == 8 and tokens[2] == vocab - 1
+        assert 0 <= tokens[1] < vocab and 0 <= tokens[3] < vocab
+        assert tokens[4] == int(logits[4].argmax()) and tokens[5] == int(logits[5].argmax())  # the nucleus: the top
+    spread = Counter(t.token_id for t in Sampler(seed=0)(logits[1:2].expand(2000, -1).contiguous(), [make_row()] * 2000))
+    assert len(spread) > 800  # uniform over 1000 columns
+
+
+def test_native_sampling_refuses_bad_arguments() -> None:
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("the native step is not built (make install builds it)")
+    x, one = torch.zeros(2, 10), torch.ones(2)
+    with pytest.raises(RuntimeError, match="uniforms"):
+        ops.sample_rows(x, one, one, torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="temperature"):
+        ops.sample_rows(x, torch.zeros(2), one, torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="logits"):
+        ops.sample_rows(x.double(), one, one, torch.ones(2, 4))

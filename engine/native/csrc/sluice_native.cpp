@@ -330,12 +330,13 @@ struct Kernels {
   decltype(&isa_base::madd_peak) madd_peak;
   decltype(&isa_base::madd_peak_i8) madd_peak_i8;
   decltype(&isa_base::read_stream) read_stream;
+  decltype(&isa_base::sample_row) sample_row;
 };
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
     #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8l_gemm, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
-        ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream \
+        ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row \
   }
 
 bool cpu_has_avx512() {
@@ -671,6 +672,35 @@ double read_stream(at::Tensor x) {
   return total;
 }
 
+// One token per row of logits [R, V] float32: softmax of logits / temperatures[r], top_p[r] by rejection over
+// uniforms[r] (in (0, 1], one per round). -1 for a row whose every round was rejected (the caller sorts it).
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor top_p, at::Tensor uniforms) {
+  check_f32(logits, "logits");
+  check_f32(temperatures, "temperatures");
+  check_f32(top_p, "top_p");
+  check_f32(uniforms, "uniforms");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.size(1) < (1 << 30), "sample_rows: logits [R, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(temperatures.numel() == R && top_p.numel() == R && uniforms.dim() == 2 && uniforms.size(0) == R &&
+                  uniforms.size(1) > 0, "sample_rows: temperatures [R], top_p [R], uniforms [R, rounds]");
+  const float *x = logits.data_ptr<float>(), *t = temperatures.data_ptr<float>(), *p = top_p.data_ptr<float>();
+  const float* u = uniforms.data_ptr<float>();
+  const int rounds = (int)uniforms.size(1);
+  for (int64_t r = 0; r < R; r++) {
+    TORCH_CHECK(t[r] > 0.0f && std::isfinite(t[r]) && p[r] >= 0.0f, "sample_rows: temperature above 0, top_p >= 0");
+    for (int k = 0; k < rounds; k++) TORCH_CHECK(u[r * rounds + k] > 0.0f && u[r * rounds + k] <= 1.0f, "sample_rows: uniforms in (0, 1]");
+  }
+  at::Tensor tokens = at::empty({R}, at::kLong);
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const Kernels& kern = kernels();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> w(V), bsum((V + 255) / 256);
+    for (int64_t r = r0; r < r1; r++)
+      out[r] = kern.sample_row(x + r * V, (int)V, t[r], p[r], u + r * rounds, rounds, w.data(), bsum.data());
+  });
+  return tokens;
+}
+
 // Attention alone, as the step runs it for decodes: q [T, heads, D] float32; k, v caches [KVH, blocks, block_size, D]
 // (float32 or bfloat16); block_tables [T, max_blocks] int32; lengths [T] int64: token i attends to keys
 // 0 .. lengths[i] - 1 of its table. One task per (token, KV head). Returns [T, heads, D].
@@ -1004,6 +1034,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("madd_peak", &madd_peak, py::arg("iterations"), py::arg("is_int8") = false, release());
   m.def("read_stream", &read_stream, release());
   m.def("attention", &attention, release());
+  m.def("sample_rows", &sample_rows, release());
   // each releases the GIL itself, once it has the blocks' buffer
   m.def("pack_q4_k", &pack_q4_k);
   m.def("pack_q4_legacy", &pack_q4_legacy);
