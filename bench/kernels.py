@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 DEFAULT_ROWS = (1, 8, 32, 128, 512)
-INT8_KINDS = ("q4i8", "q4k", "q6")  # the kinds measured with int8 activations
+INT8_KINDS = ("q4i8", "q4k", "q6", "q8i8")  # the kinds measured with int8 activations
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152  # SmolLM2-135M
 
 
@@ -46,7 +46,7 @@ class Shape:
     n: int
     # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8"), "q4f" (the Q4 layout with float32
     # scales), "q8l" (the Q8 layer layout: Q5_x / Q8_0 layers), "q4k" (Q4_K's super-block scales, int8), "q6" (Q6_K,
-    # int8) or "q8" (the lm_head)
+    # int8), "q8" (the lm_head) or "q8i8" (the lm_head in precision "int8")
     kind: str
 
 
@@ -149,7 +149,7 @@ def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, op
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(shape.n, shape.k, generator=gen) * 0.05
-    if shape.kind != "q8":
+    if shape.kind not in ("q8", "q8i8"):
         p = packed_layer(shape.kind, w)
         weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
         is_int8 = shape.kind in INT8_KINDS
@@ -161,7 +161,7 @@ def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, op
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return ops.q8_linear(x, p8.qs, p8.scale, shape.n)
+            return ops.q8_linear(x, p8.qs, p8.scale, shape.n, is_int8=shape.kind == "q8i8")
 
     out = []
     for m in rows:
@@ -238,14 +238,14 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
     try:
         peaks = measure_peaks(ops, opts.quick)
         if opts.quick:
-            shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8")]
+            shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8", "q8i8")]
             shapes += [Shape("small", 256, 96, kind) for kind in ("q4k", "q6")]  # K-quants: K in super-blocks of 256
         else:
             shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
                       Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4i8"), Shape("down", INTERMEDIATE, HIDDEN, "q4i8"),
                       Shape("down", INTERMEDIATE, HIDDEN, "q4f"), Shape("down", INTERMEDIATE, HIDDEN, "q8l"),
                       Shape("down", INTERMEDIATE, HIDDEN, "q4k"), Shape("down", INTERMEDIATE, HIDDEN, "q6"),
-                      Shape("lm_head", HIDDEN, VOCAB, "q8")]  # fmt: skip
+                      Shape("lm_head", HIDDEN, VOCAB, "q8"), Shape("lm_head", HIDDEN, VOCAB, "q8i8")]  # fmt: skip
         results = []
         for shape in shapes:
             results += gemm_rows(ops, variant, shape, rows, peaks, opts)
@@ -259,7 +259,8 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
 def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
     print(f"\n{variant}: register-only multiply-add peak {peaks.madds / 1e9:.1f} G/s (int8: {peaks.madds_int8 / 1e9:.1f}), "
           f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8, "
-          f"q4f = float32 scales, q8l = the Q8 layer layout (Q5_x, Q8_0); int8: q4k = Q4_K's own scales, q6 = Q6_K")
+          f"q4f = float32 scales, q8l = the Q8 layer layout (Q5_x, Q8_0); int8: q4k = Q4_K's own scales, q6 = Q6_K, "
+          f"q8i8 = the lm_head")
     header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
     lines = []
     for r in rows:

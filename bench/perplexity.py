@@ -7,11 +7,12 @@ The text is tests/data/public_domain.txt (the Declaration of Independence, 1776,
 is run from its start and only its second half is scored (every scored token has at least ctx/2 tokens of
 context). The reference is transformers' float32 model on the file's own dequantised weights; the native step runs
 in each precision ("exact": int16 activations, "int8": int8 ones) with a bfloat16 KV cache as it serves. Reported
-per precision: perplexity, the mean and the 99th percentile of KL(reference || native) over the scored positions,
-and how often the top token agrees. With --llama-perplexity, llama.cpp's own perplexity on the same file, text and
-chunking (`-c ctx`, its tokenizer, BOS as the model's metadata says) is printed beside them, like for like: against
-its own float32 run of the same weights (the file dequantised into a float32 GGUF), its perplexity ratio, mean and
-99th-percentile KL divergence and top-token agreement (its --kl-divergence).
+per precision: perplexity, the mean (with its standard error) and the 99th percentile of KL(reference || native)
+over the scored positions, and how often the top token agrees. With --llama-perplexity, llama.cpp's own perplexity
+on the same file, text and chunking (`-c ctx`, its tokenizer, BOS as the model's metadata says) is printed beside
+them, like for like: against its own float32 run of the same weights (the file dequantised into a float32 GGUF), its
+perplexity ratio, mean (± its own standard error) and 99th-percentile KL divergence and top-token agreement (its
+--kl-divergence).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def scores(logits: list[torch.Tensor], chunks: list[list[int]], reference: list[
     result = {"ppl": math.exp(nll / n), "tokens": n}
     if kls:
         kl = torch.cat(kls)
-        result.update(kl_mean=kl.mean().item(), kl_p99=kl.quantile(0.99).item(), top1=agree / n)
+        result.update(kl_mean=kl.mean().item(), kl_se=(kl.std() / math.sqrt(len(kl))).item(),
+                      kl_p99=kl.quantile(0.99).item(), top1=agree / n)  # fmt: skip
     return result
 
 
@@ -110,9 +112,11 @@ def llama_rows(binary: str, path: Path, ctx: int) -> dict[str, dict]:
         return float(found.group(1))
 
     reference, quantised = figure("Mean PPL(base)"), figure("Mean PPL(Q)")
+    kl_error = re.search(r"Mean\s+KLD\s*:\s*[0-9.]+\s*±\s*([0-9.]+)", text)
     return {
         "llama.cpp float32 reference (its tokenisation)": {"ppl": reference, "base": reference},
         "llama.cpp on the file": {"ppl": quantised, "base": reference, "kl_mean": figure("Mean    KLD"),
+                                  "kl_se": float(kl_error.group(1)) if kl_error else None,
                                   "kl_p99": figure("99.0%   KLD"), "top1": figure("Same top p") / 100},
     }  # fmt: skip
 
@@ -138,12 +142,16 @@ def main(argv: list[str] | None = None) -> None:
         rows[f"native, precision {precision}"] = scores(native_logits(path, chunks, precision), chunks, reference)
     if args.llama_perplexity:
         rows.update(llama_rows(args.llama_perplexity, path, args.ctx))
-    print("| run | perplexity | vs its reference | mean KL | KL p99 | top-1 agrees |")
+    print("| run | perplexity | vs its reference | mean KL ± its standard error | KL p99 | top-1 agrees |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         ppl, base = r["ppl"], r.get("base", rows["float32 reference (transformers)"]["ppl"])
         cells = [f"{ppl:.4f}", f"{(ppl / base - 1) * 100:+.3f}%"]
-        cells += [f"{r['kl_mean']:.5f}", f"{r['kl_p99']:.5f}", f"{r['top1']:.4f}"] if "kl_mean" in r else ["-"] * 3
+        if "kl_mean" in r:
+            error = f" ± {r['kl_se']:.5f}" if r.get("kl_se") is not None else ""
+            cells += [f"{r['kl_mean']:.5f}{error}", f"{r['kl_p99']:.5f}", f"{r['top1']:.4f}"]
+        else:
+            cells += ["-"] * 3
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

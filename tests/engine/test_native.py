@@ -334,6 +334,43 @@ def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+def test_int8_lm_head_gives_the_same_bits_on_every_variant_and_rows_alone() -> None:
+    """The lm_head in precision "int8": AVX-512 multiplies the activations' bytes plus 128 with vpdpbusd and takes
+    128 times the weights' sum off again, AVX2 and baseline run the int16 kernel on the same int8 values: the same
+    integers, so the same bits (baseline x86-64, without FMA, rounds its float steps apart); each row's the same alone
+    as among 11 (8 + 1 + 1 + 1 in the AVX-512 tiles)."""
+    gen = torch.Generator().manual_seed(8)
+    n, k = 1000, 640  # n not a multiple of 16
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[3, :32] = -0.05 * 128 / 127  # a group whose weights reach -128
+    q8 = pack_q8(w)
+    x = torch.randn(11, k, generator=gen)
+    x[2, 32:64] = 0.0  # a group of zeros (scale 0)
+    outputs = {}
+    for isa in available_isas():
+        ops.set_isa(isa)
+        try:
+            y = ops.q8_linear(x, q8.qs, q8.scale, n, is_int8=True)
+            alone = [ops.q8_linear(x[i : i + 1], q8.qs, q8.scale, n, is_int8=True) for i in range(11)]
+            assert torch.equal(torch.cat(alone), y)
+            outputs[isa] = y
+        finally:
+            ops.set_isa("best")
+    if "avx512" in outputs and "avx2" in outputs:
+        assert torch.equal(outputs["avx512"], outputs["avx2"])
+    # against float64 on the int8 steps: x rounded per group of 32 to amax / 127 steps, the weights dequantised
+    groups = x.view(11, -1, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    steps = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    x8 = (torch.round(groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * steps).view(11, k)
+    w_grid = dequantize_q8(w)
+    reference = x8.double() @ w_grid.double().T
+    for y in outputs.values():
+        assert (y.double() - reference).abs().max() < 1e-4 * reference.abs().max()
+    int16 = ops.q8_linear(x, q8.qs, q8.scale, n)
+    assert (int16.double() - reference).abs().max() > 1e-3 * reference.abs().max()  # int8 steps really ran
+
+
 def test_precision_is_checked_and_int8_greedy_output_is_batch_invariant(grid_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="precision"):
         EngineConfig(precision="int4")

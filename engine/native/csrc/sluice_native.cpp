@@ -57,6 +57,13 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
   return (vi)a;
 }
 inline vi dot4(vi acc, vi w, vi x) { return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
+// 64 bytes of the Q8 layout, two chunks of 16 columns' byte pairs (k, k + 1) and (k + 2, k + 3): per lane the
+// quad k .. k + 3 of its column, by one word permute.
+inline vi pair_chunks_to_quads(const signed char* p) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (vi)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(p));
+}
 inline vs16 maddubs8(vi8 w, vi8 x) { return (vs16)_mm256_maddubs_epi16((__m256i)w, (__m256i)x); }
 // int8 activations run the 16-lane vpdpbusd kernel
 constexpr int INT8_GEMM_WIDTH = 16;
@@ -196,6 +203,14 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
   return acc;
 }
 inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }  // unused here too
+// Not used by this variant's GEMMs (the int16 Q8 kernel runs its int8 lm_head): plain C.
+inline vi pair_chunks_to_quads(const signed char* p) {
+  vi v;
+  for (int c = 0; c < 16; c++)
+    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
+                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
+  return v;
+}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -302,6 +317,14 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
   return acc;
 }
 inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }
+// Not used by this variant's GEMMs (the int16 Q8 kernel runs its int8 lm_head): plain C.
+inline vi pair_chunks_to_quads(const signed char* p) {
+  vi v;
+  for (int c = 0; c < 16; c++)
+    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
+                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
+  return v;
+}
 inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
 }  // namespace
 #include "kernels.inc"
@@ -316,6 +339,7 @@ struct Kernels {
   decltype(&isa_base::pack_x8) pack_x8;
   decltype(&isa_base::q4_gemm_i8) q4_gemm_i8;
   decltype(&isa_base::q8_gemm) q8_gemm;
+  decltype(&isa_base::q8_gemm_i8) q8_gemm_i8;
   decltype(&isa_base::q8l_gemm) q8l_gemm;
   decltype(&isa_base::q6_gemm) q6_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
@@ -335,7 +359,7 @@ struct Kernels {
 
 #define SLUICE_KERNELS(ns)                                                                                  \
   Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8l_gemm, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
+    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8_gemm_i8, ns::q8l_gemm, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
         ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row \
   }
 
@@ -589,15 +613,21 @@ struct Q8Matrix {
     TORCH_CHECK(scale.numel() == (int64_t)tiles * (K / 32) * 16, "Q8 matrix: bad scales");
   }
 
-  void run(const float* x, long ldx, int M, float* y, long ldy) const {
+  // is_int8: activations in int8 steps, as llama.cpp's output multiplies them
+  void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
     const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
-    const QuantizedRows rows(x, ldx, M, K, false, false);  // the lm_head stays int16 in either precision
+    const QuantizedRows rows(x, ldx, M, K, is_int8, false);
+    std::vector<unsigned char> xu(is_int8 ? rows.xq.size() : 0);
+    for (size_t i = 0; i < xu.size(); i++) xu[i] = (unsigned char)(rows.xq[i] + 128);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      kern.q8_gemm(q, s, k, n, rows.xq.data(), rows.sx.data(), M, y, ldy, (int)t0, (int)t1);
+      if (is_int8)
+        kern.q8_gemm_i8(q, s, k, n, rows.xq.data(), xu.data(), rows.sx.data(), M, y, ldy, (int)t0, (int)t1);
+      else
+        kern.q8_gemm(q, s, k, n, rows.xq.data(), rows.sx.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 
@@ -632,13 +662,13 @@ at::Tensor linear(at::Tensor x, const LinearSpec& spec, int64_t N, bool is_int8)
   return y;
 }
 
-at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, int64_t N) {
+at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor scale, int64_t N, bool is_int8) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   const int M = x.size(0), K = x.size(1);
   Q8Matrix w(qs, scale, K, N);
   at::Tensor y = at::empty({M, (int64_t)N}, x.options());
-  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N);
+  w.run(x.data_ptr<float>(), K, M, y.data_ptr<float>(), N, is_int8);
   return y;
 }
 
@@ -990,7 +1020,7 @@ class NativeLlama {
       kernels().add_rmsnorm(h.data() + i * H_, nullptr, final_norm_.data_ptr<float>(), eps_, H_, xn.data() + i * H_,
                             nullptr);
     at::Tensor out = at::empty({N, vocab_}, at::kFloat);
-    head_.run(xn.data(), H_, (int)N, out.data_ptr<float>(), vocab_);
+    head_.run(xn.data(), H_, (int)N, out.data_ptr<float>(), vocab_, is_int8_);
     if (final_softcap_ > 0.0f) {
       float* y = out.data_ptr<float>();
       for (int64_t i = 0; i < N * vocab_; i++) y[i] = std::tanh(y[i] / final_softcap_) * final_softcap_;
@@ -1030,7 +1060,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa);
   m.def("set_isa", &set_isa);
   m.def("linear", &linear, py::arg("x"), py::arg("parts"), py::arg("n"), py::arg("is_int8") = false, release());
-  m.def("q8_linear", &q8_linear, release());
+  m.def("q8_linear", &q8_linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("n"), py::arg("is_int8") = false,
+        release());
   m.def("madd_peak", &madd_peak, py::arg("iterations"), py::arg("is_int8") = false, release());
   m.def("read_stream", &read_stream, release());
   m.def("attention", &attention, release());
