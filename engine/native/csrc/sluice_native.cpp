@@ -29,6 +29,17 @@
 
 typedef int vi8 __attribute__((vector_size(32)));
 
+// The Q8 layout's two chunks of 16 columns' byte pairs as per-column quads, in plain C at file scope: the avx2 and
+// baseline variants compile the int8 lm_head kernel but never run it (their int16 kernel takes the int8 values);
+// AVX-512 has its own, one permute, which hides this one inside its namespace.
+inline vi pair_chunks_to_quads(const signed char* p) {
+  vi v;
+  for (int c = 0; c < 16; c++)
+    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
+                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
+  return v;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")
 namespace isa_avx512 {
@@ -203,14 +214,6 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
   return acc;
 }
 inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }  // unused here too
-// Not used by this variant's GEMMs (the int16 Q8 kernel runs its int8 lm_head): plain C.
-inline vi pair_chunks_to_quads(const signed char* p) {
-  vi v;
-  for (int c = 0; c < 16; c++)
-    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
-                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
-  return v;
-}
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -317,14 +320,6 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
   return acc;
 }
 inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }
-// Not used by this variant's GEMMs (the int16 Q8 kernel runs its int8 lm_head): plain C.
-inline vi pair_chunks_to_quads(const signed char* p) {
-  vi v;
-  for (int c = 0; c < 16; c++)
-    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
-                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
-  return v;
-}
 inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
 }  // namespace
 #include "kernels.inc"
