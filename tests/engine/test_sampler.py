@@ -376,7 +376,8 @@ def test_native_rows_take_non_finite_logits_and_rejection_limits(sampling_path: 
         assert tokens[0] == 8 and tokens[2] == vocab - 1
         assert 0 <= tokens[1] < vocab and 0 <= tokens[3] < vocab
         assert tokens[4] == int(logits[4].argmax()) and tokens[5] == int(logits[5].argmax())  # the nucleus: the top
-    spread = Counter(t.token_id for t in Sampler(seed=0)(logits[1:2].expand(2000, -1).contiguous(), [make_row()] * 2000))
+    uniform = logits[1:2].expand(2000, -1).contiguous()
+    spread = Counter(t.token_id for t in Sampler(seed=0)(uniform, [make_row()] * 2000))
     assert len(spread) > 800  # uniform over 1000 columns
 
 

@@ -172,7 +172,8 @@ inline vi dot2_bcast(vi acc, vi w, const short* x) {
 }
 inline vi8 round_to_int(vf8 v) { return (vi8)_mm256_cvtps_epi32((__m256)v); }
 inline void store_s16(short* p, vi8 v) {
-  _mm_storeu_si128((__m128i*)p, _mm_packs_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1)));
+  const __m256i w = (__m256i)v;
+  _mm_storeu_si128((__m128i*)p, _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
 }
 // 16 ymm: 4 rows' integer and float accumulators (8) + the weights, their unpacked pair and the mask.
 constexpr bool USE_GEMM8 = true;
@@ -352,10 +353,12 @@ struct Kernels {
   decltype(&isa_base::sample_row) sample_row;
 };
 
-#define SLUICE_KERNELS(ns)                                                                                  \
-  Kernels {                                                                                                 \
-    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8_gemm_i8, ns::q8l_gemm, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, \
-        ns::rope, ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row \
+#define SLUICE_KERNELS(ns)                                                                                        \
+  Kernels {                                                                                                       \
+    #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8_gemm_i8, ns::q8l_gemm,       \
+        ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, ns::rope, ns::store_k_f32, \
+        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream,      \
+        ns::sample_row                                                                                            \
   }
 
 bool cpu_has_avx512() {
@@ -713,7 +716,8 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor to
   const int rounds = (int)uniforms.size(1);
   for (int64_t r = 0; r < R; r++) {
     TORCH_CHECK(t[r] > 0.0f && std::isfinite(t[r]) && p[r] >= 0.0f, "sample_rows: temperature above 0, top_p >= 0");
-    for (int k = 0; k < rounds; k++) TORCH_CHECK(u[r * rounds + k] > 0.0f && u[r * rounds + k] <= 1.0f, "sample_rows: uniforms in (0, 1]");
+    for (int k = 0; k < rounds; k++)
+      TORCH_CHECK(u[r * rounds + k] > 0.0f && u[r * rounds + k] <= 1.0f, "sample_rows: uniforms in (0, 1]");
   }
   at::Tensor tokens = at::empty({R}, at::kLong);
   int64_t* out = tokens.data_ptr<int64_t>();
@@ -1055,8 +1059,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa);
   m.def("set_isa", &set_isa);
   m.def("linear", &linear, py::arg("x"), py::arg("parts"), py::arg("n"), py::arg("is_int8") = false, release());
-  m.def("q8_linear", &q8_linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("n"), py::arg("is_int8") = false,
-        release());
+  m.def("q8_linear", &q8_linear, py::arg("x"), py::arg("qs"), py::arg("scale"), py::arg("n"),
+        py::arg("is_int8") = false, release());
   m.def("madd_peak", &madd_peak, py::arg("iterations"), py::arg("is_int8") = false, release());
   m.def("read_stream", &read_stream, release());
   m.def("attention", &attention, release());
