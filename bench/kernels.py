@@ -14,7 +14,8 @@ For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
   heads, 3 KV heads, head dim 64): tokens/s and KV bytes/s;
 - a prefill chunk: one layer of the default model's shape over a 256-token chunk (its linears and attention), with
-  int16 ("exact") and int8 activations (% of the peak: the linears' multiply-adds against that precision's).
+  int16 ("exact") and int8 activations (% of the peak: the linears' multiply-adds against that precision's), and
+  the same int8 chunk after 2048 tokens of its prompt (a long prompt's later chunk, where attention dominates).
 
 Wall times on all of torch's threads, the best of a few repeats (a shared machine only makes it slower);
 `--per-core` instead runs one thread and times it by its own CPU time, which a machine shared with other work
@@ -196,9 +197,10 @@ def attention_rows(ops, variant: str, rows: list[int], peaks: Peaks, opts) -> li
     return out
 
 
-def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str) -> Row:
-    """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions 0..chunk-1), its
-    linears' activations in `precision` ("exact": int16, "int8")."""
+def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str, start: int = 0) -> Row:
+    """One layer of the default model's shape over one prompt's chunk of `chunk` tokens (positions start ..
+    start + chunk - 1: a long prompt's later chunk attends to every earlier token too), its linears' activations
+    in `precision` ("exact": int16, "int8")."""
     from engine.native.packing import LinearSpec, linear_spec, pack_q4, pack_q8
 
     chunk, block, vocab = (32, 16, 256) if opts.quick else (256, 16, 1024)
@@ -208,7 +210,8 @@ def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str) -> 
         return linear_spec(pack_q4(torch.randn(n, k, generator=gen) * 0.05, None))
 
     embed = pack_q8(torch.randn(vocab, HIDDEN, generator=gen) * 0.05)
-    positions = torch.arange(chunk, dtype=torch.float32)[:, None]
+    length = start + chunk
+    positions = torch.arange(length, dtype=torch.float32)[:, None]
     freqs = positions * (10000.0 ** (-torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
     angles = torch.cat([freqs, freqs], dim=1)
     sin = torch.cat([-angles[:, : HEAD_DIM // 2].sin(), angles[:, HEAD_DIM // 2 :].sin()], dim=1).contiguous()
@@ -217,17 +220,18 @@ def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str) -> 
     model.add_layer(torch.ones(HIDDEN), torch.ones(HIDDEN), q4((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
                     q4(HIDDEN, HEADS * HEAD_DIM), q4(2 * INTERMEDIATE, HIDDEN), q4(HIDDEN, INTERMEDIATE))  # fmt: skip
     model.set_precision(precision)
-    num_blocks = chunk // block
+    num_blocks = length // block
     cache = [torch.zeros(KV_HEADS, num_blocks, block, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
     model.set_kv_caches([cache[0]], [cache[1]])
     ids = torch.randint(0, vocab, (chunk,), generator=gen)
-    pos = torch.arange(chunk)
+    pos = torch.arange(start, length)
     rows = torch.zeros(chunk, dtype=torch.int32)
     tables = torch.arange(num_blocks, dtype=torch.int32)[None]
     seconds = best_time(lambda: model.forward(ids, pos, pos, rows, tables), opts.repeats, opts.min_seconds)
     linear_macs = chunk * HIDDEN * ((HEADS + 2 * KV_HEADS) * HEAD_DIM + 3 * INTERMEDIATE) + chunk * HEADS * HEAD_DIM * HIDDEN
     peak = peaks.madds_int8 if precision == "int8" else peaks.madds
-    return Row(variant, f"prefill chunk {chunk} tok, 1 layer, {precision}", chunk, seconds, chunk / seconds,
+    at = f" after {start}" if start else ""
+    return Row(variant, f"prefill chunk {chunk} tok{at}, 1 layer, {precision}", chunk, seconds, chunk / seconds,
                100 * linear_macs / seconds / peak, 0.0, None)  # fmt: skip
 
 
@@ -251,6 +255,7 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
             results += gemm_rows(ops, variant, shape, rows, peaks, opts)
         results += attention_rows(ops, variant, rows, peaks, opts)
         results += [prefill_chunk_row(ops, variant, peaks, opts, precision) for precision in ("exact", "int8")]
+        results.append(prefill_chunk_row(ops, variant, peaks, opts, "int8", start=64 if opts.quick else 2048))
         return peaks, results
     finally:
         use_isa(ops, "best")

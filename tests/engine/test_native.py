@@ -676,3 +676,57 @@ def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path,
             assert torch.equal(alone[0], batched[s]), f"sequence {s}"
     finally:
         ops.set_isa("best")
+
+
+def prefill_bits(backend, chunkings: list[list[int]], length: int, block_size: int) -> list[torch.Tensor]:
+    """Hidden states of positions 0 .. length - 1 of one prompt fed in each chunking (sizes of its chunks), each
+    chunk in a step beside one decode token of another sequence; blocks scattered over the cache."""
+    order = random.Random(1).sample(range(128), 128)
+    tables = [order[:64], order[64:]]  # the prompt's, the other sequence's
+
+    def token(s: int, p: int) -> tuple[int, int, int]:
+        return 1 + (p * 31 + s * 7) % 200, p, tables[s][p // block_size] * block_size + p % block_size
+
+    def step(parts: list[tuple[int, int, int]]) -> torch.Tensor:  # (sequence, start, count)
+        ids, pos, slots, rows = [], [], [], []
+        for row, (s, start, count) in enumerate(parts):
+            for p in range(start, start + count):
+                i, q, slot = token(s, p)
+                ids.append(i), pos.append(q), slots.append(slot), rows.append(row)
+        return backend.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+                                  torch.tensor(rows, dtype=torch.int32),
+                                  torch.tensor([tables[s] for s, _, _ in parts], dtype=torch.int32))  # fmt: skip
+
+    step([(1, 0, 40)])  # the other sequence's prompt
+    results = []
+    for sizes in chunkings:
+        assert sum(sizes) == length
+        hidden, start = [], 0
+        for n in sizes:
+            hidden.append(step([(0, start, n), (1, 40, 1)])[:n])
+            start += n
+        results.append(torch.cat(hidden))
+    return results
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_prefill_chunk_gives_each_token_the_bits_it_gets_alone(grid_llama_dir: Path, isa: str) -> None:
+    """A prompt's token gets the same hidden state, bit for bit, whether the prompt comes whole, in chunks of any
+    size (chunked prefill: the sizes depend on the other requests) or one token a step, where it attends as a
+    decode does; each chunk beside another sequence's decode. 150 positions in blocks of 5, so that runs of four
+    keys cross cache blocks."""
+    config = EngineConfig(model=str(grid_llama_dir), block_size=5, num_kv_blocks=128)
+    backend = ModelRunner(load_model(config), config).backend
+    with on_isa(isa):
+        alone, whole, pieces = prefill_bits(backend, [[1] * 150, [150], [37, 50, 63]], 150, 5)
+    assert torch.equal(whole, alone)
+    assert torch.equal(pieces, alone)
+
+
+def test_prefill_chunks_keep_their_bits_on_qwen3_and_past_a_sliding_window(grid_variant_dir: Path) -> None:
+    """The same with Qwen3's normed queries and keys, and Gemma 3's sliding layers (a window of 8 keys)."""
+    config = EngineConfig(model=str(grid_variant_dir), block_size=5, num_kv_blocks=128)
+    backend = ModelRunner(load_model(config), config).backend
+    alone, whole, pieces = prefill_bits(backend, [[1] * 30, [30], [3, 11, 16]], 30, 5)
+    assert torch.equal(whole, alone)
+    assert torch.equal(pieces, alone)
