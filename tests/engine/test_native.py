@@ -599,6 +599,27 @@ def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, d
         torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_query_head_gets_the_same_bits_alone_and_beside_its_group(isa: str) -> None:
+    """The query heads of a KV head share each key's loads in passes whose size depends on the registers (AVX2: 2 + 1
+    of a group of three) and on the batch (a step of one or two streams runs one head a task): a head's output must
+    not depend on them. Head dims 32, 64 (where AVX2 once gave different bits) and 128, groups of 1 to 7, both caches."""
+    gen = torch.Generator().manual_seed(4)
+    block, blocks = 5, 48
+    lengths = torch.tensor([1, 4, 5, 8, 33, 200, 239])
+    tables = torch.randperm(blocks, generator=gen).repeat(len(lengths), 1).to(torch.int32)
+    with on_isa(isa):
+        for dim in (32, 64, 128):
+            q = torch.randn(len(lengths), 7, dim, generator=gen)
+            for dtype in (torch.float32, torch.bfloat16):
+                k, v = (torch.randn(1, blocks, block, dim, generator=gen).to(dtype) for _ in range(2))
+                alone = [ops.attention(q[:, h : h + 1].contiguous(), k, v, tables, lengths)[:, 0] for h in range(7)]
+                for group in range(2, 8):
+                    out = ops.attention(q[:, :group].contiguous(), k, v, tables, lengths)
+                    for h in range(group):
+                        assert torch.equal(out[:, h], alone[h]), f"D {dim}, {dtype}, head {h} of {group}"
+
+
 def test_bad_step_inputs_are_refused_not_read_out_of_bounds(grid_llama_dir: Path) -> None:
     config = EngineConfig(model=str(grid_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=8)
     native = ModelRunner(load_model(config), config).backend

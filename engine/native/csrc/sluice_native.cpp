@@ -47,6 +47,8 @@ namespace {
 // Not used: the 8-lane kernels (gemm8.inc) are not this variant's.
 template <typename V>
 inline void in_register(V&) {}
+// a * b + c in one FMA, whatever the compiler would contract (attention's sums: see kernels.inc's score_keys)
+inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 inline vi load_u8x16(const unsigned char* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vi load_s8x16(const signed char* p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vu load_u16x16(const unsigned short* p) {
@@ -126,6 +128,7 @@ namespace {
 // kernel spilled to the stack hundreds of times a tile (the sums are exact, so any order gives the same numbers).
 template <typename V>
 inline void in_register(V& v) { asm("" : "+x"(v)); }
+inline vf8 fmadd(vf8 a, vf8 b, vf8 c) { return (vf8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 inline vi join(__m256i lo, __m256i hi) {
   return __builtin_shufflevector((vi8)lo, (vi8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -226,6 +229,8 @@ typedef int vi4 __attribute__((vector_size(16)));
 // An 8-lane vector spans two xmm here: nothing to pin (see the avx2 variant's).
 template <typename V>
 inline void in_register(V&) {}
+// No FMA in baseline x86-64: a multiply, then an add.
+inline vf8 fmadd(vf8 a, vf8 b, vf8 c) { return a * b + c; }
 // Each element widened into a lane of V (plain C: baseline x86-64 has no widening loads).
 template <typename V, typename T>
 inline V widen(const T* p) {
