@@ -601,9 +601,9 @@ def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, d
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_query_head_gets_the_same_bits_alone_and_beside_its_group(isa: str) -> None:
-    """The query heads of a KV head share each key's loads in passes whose size depends on the registers (baseline: one
-    of a group of three) and on the batch (a step of one or two streams runs one head a task): a head's output must
-    not depend on them. Head dims 32, 64 (where AVX2 once gave different bits) and 128, groups of 1 to 7, both caches."""
+    """The query heads of a KV head share each key's loads in passes whose size depends on the registers (baseline:
+    one head a pass) and on the batch (a step of one or two streams runs one head a task): a head's output must not
+    depend on them. Head dims 32, 64 (where AVX2 once gave different bits) and 128, groups of 1 to 7, both caches."""
     gen = torch.Generator().manual_seed(4)
     block, blocks = 5, 48
     lengths = torch.tensor([1, 4, 5, 8, 33, 200, 239])
