@@ -16,8 +16,9 @@ from pathlib import Path
 from engine.native import BUILD_DIR, MODULE_NAME
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "sluice_native.cpp"
-# -ffp-contract=fast: a * b + c becomes one FMA everywhere, the same way in every kernel (batch invariance
-# needs one fixed sequence of operations per row, whatever it is).
+# -ffp-contract=fast: a * b + c becomes one FMA (batch invariance needs one fixed sequence of operations per row,
+# whatever it is). GCC does not contract every such sum alike in every instantiation of a template, so the sums
+# whose bits must not depend on the instantiation (attention's scores) call the variant's fmadd explicitly.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-Wno-unused-function", "-Wno-psabi"]
 
 
