@@ -603,13 +603,14 @@ def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, d
 def test_a_query_head_gets_the_same_bits_alone_and_beside_its_group(isa: str) -> None:
     """The query heads of a KV head share each key's loads in passes whose size depends on the registers (baseline:
     one head a pass) and on the batch (a step of one or two streams runs one head a task): a head's output must not
-    depend on them. Head dims 32, 64 (where AVX2 once gave different bits) and 128, groups of 1 to 7, both caches."""
+    depend on them. Head dims 32, 64 (where AVX2 once gave different bits), 128 and 256 (Gemma 3), groups of 1 to
+    7, both caches."""
     gen = torch.Generator().manual_seed(4)
     block, blocks = 5, 48
     lengths = torch.tensor([1, 4, 5, 8, 33, 200, 239])
     tables = torch.randperm(blocks, generator=gen).repeat(len(lengths), 1).to(torch.int32)
     with on_isa(isa):
-        for dim in (32, 64, 128):
+        for dim in (32, 64, 128, 256):
             q = torch.randn(len(lengths), 7, dim, generator=gen)
             for dtype in (torch.float32, torch.bfloat16):
                 k, v = (torch.randn(1, blocks, block, dim, generator=gen).to(dtype) for _ in range(2))

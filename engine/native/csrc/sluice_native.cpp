@@ -744,7 +744,7 @@ at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables
                   k.is_contiguous() && v.is_contiguous(), "attention: q [T, heads, D], k and v [KVH, blocks, bs, D]");
   TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16, "attention: float32 or bf16 cache");
   const int64_t T = q.size(0), heads = q.size(1), D = q.size(2), KVH = k.size(0), bs = k.size(2);
-  TORCH_CHECK(k.size(3) == D && (D == 16 || D == 32 || D == 64 || D == 128) && heads % KVH == 0, "attention: shapes");
+  TORCH_CHECK(k.size(3) == D && (D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && heads % KVH == 0, "attention: shapes");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == T,
               "attention: block_tables [T, max_blocks] int32");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == T, "attention: lengths [T] int64");
