@@ -253,7 +253,10 @@ def test_sigterm_drains_the_streams_on_every_replica(cluster: ClusterServer) -> 
     body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True}
     with httpx.Client(base_url=cluster.base_url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(stream_events, client, body) for _ in range(16)]
-        wait_until(lambda: all(r["in_flight"] > 0 for r in cluster.replicas()), timeout=30, interval=0.01)
+        # every request admitted (a request that reaches the front after the signal is refused, 503, by design)
+        # and both replicas streaming
+        wait_until(lambda: sum(r["in_flight"] for r in cluster.replicas()) == 16
+                   and all(r["in_flight"] > 0 for r in cluster.replicas()), timeout=30, interval=0.01)  # fmt: skip
         cluster.process.send_signal(signal.SIGTERM)
         results = [f.result(timeout=120) for f in futures]
     assert cluster.process.wait(120) == 0
