@@ -706,15 +706,14 @@ def prefill_bits(backend, chunkings: list[list[int]], length: int, block_size: i
     order = random.Random(1).sample(range(128), 128)
     tables = [order[:64], order[64:]]  # the prompt's, the other sequence's
 
-    def token(s: int, p: int) -> tuple[int, int, int]:
-        return 1 + (p * 31 + s * 7) % 200, p, tables[s][p // block_size] * block_size + p % block_size
-
     def step(parts: list[tuple[int, int, int]]) -> torch.Tensor:  # (sequence, start, count)
         ids, pos, slots, rows = [], [], [], []
         for row, (s, start, count) in enumerate(parts):
             for p in range(start, start + count):
-                i, q, slot = token(s, p)
-                ids.append(i), pos.append(q), slots.append(slot), rows.append(row)
+                ids.append(1 + (p * 31 + s * 7) % 200)
+                pos.append(p)
+                slots.append(tables[s][p // block_size] * block_size + p % block_size)
+                rows.append(row)
         return backend.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
                                   torch.tensor(rows, dtype=torch.int32),
                                   torch.tensor([tables[s] for s, _, _ in parts], dtype=torch.int32))  # fmt: skip
