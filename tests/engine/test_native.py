@@ -661,6 +661,21 @@ def test_a_failed_build_warns_and_never_fails_the_install(monkeypatch, tmp_path:
     assert list(tmp_path.glob("*.so")) == []
 
 
+def run_step(backend, tables: list[list[int]], block_size: int, parts: list[tuple[int, int, int]]) -> torch.Tensor:
+    """One native step over parts (sequence, first position, count): sequence s's token at position p is
+    1 + (31 p + 7 s) % 200, its K/V slot where tables[s] puts p; returns the hidden states in part order."""
+    ids, pos, slots, rows = [], [], [], []
+    for row, (s, start, count) in enumerate(parts):
+        for p in range(start, start + count):
+            ids.append(1 + (p * 31 + s * 7) % 200)
+            pos.append(p)
+            slots.append(tables[s][p // block_size] * block_size + p % block_size)
+            rows.append(row)
+    return backend.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+                              torch.tensor(rows, dtype=torch.int32),
+                              torch.tensor([tables[s] for s, _, _ in parts], dtype=torch.int32))  # fmt: skip
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path, isa: str) -> None:
     """The attention of a token does not depend on the batch: alone, its query heads are spread over the
@@ -676,16 +691,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_any_batch(grid_llama_dir: Path,
     tables = [order[s * 14 : (s + 1) * 14] for s in range(num_seqs)]  # 14 blocks: 70 positions each
 
     def step(seqs: list[int], start: dict[int, int], count: dict[int, int]) -> torch.Tensor:
-        ids, pos, slots, rows = [], [], [], []
-        for row, s in enumerate(seqs):
-            for p in range(start[s], start[s] + count[s]):
-                ids.append(1 + (p * 31 + s * 7) % 200)
-                pos.append(p)
-                slots.append(tables[s][p // block_size] * block_size + p % block_size)
-                rows.append(row)
-        return native.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
-                              torch.tensor(rows, dtype=torch.int32),
-                              torch.tensor([tables[s] for s in seqs], dtype=torch.int32))  # fmt: skip
+        return run_step(native, tables, block_size, [(s, start[s], count[s]) for s in seqs])
 
     ops.set_isa(isa)
     try:
@@ -706,17 +712,8 @@ def prefill_bits(backend, chunkings: list[list[int]], length: int, block_size: i
     order = random.Random(1).sample(range(128), 128)
     tables = [order[:64], order[64:]]  # the prompt's, the other sequence's
 
-    def step(parts: list[tuple[int, int, int]]) -> torch.Tensor:  # (sequence, start, count)
-        ids, pos, slots, rows = [], [], [], []
-        for row, (s, start, count) in enumerate(parts):
-            for p in range(start, start + count):
-                ids.append(1 + (p * 31 + s * 7) % 200)
-                pos.append(p)
-                slots.append(tables[s][p // block_size] * block_size + p % block_size)
-                rows.append(row)
-        return backend.run_tokens(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
-                                  torch.tensor(rows, dtype=torch.int32),
-                                  torch.tensor([tables[s] for s, _, _ in parts], dtype=torch.int32))  # fmt: skip
+    def step(parts: list[tuple[int, int, int]]) -> torch.Tensor:
+        return run_step(backend, tables, block_size, parts)
 
     step([(1, 0, 40)])  # the other sequence's prompt
     results = []
