@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from bench.kernels import packed_layer
 from bench.synthetic_gguf import random_blocks
 from engine import LLM, SamplingParams
 from engine.checkpoint.block_grids import grid_of
@@ -132,6 +133,30 @@ def test_q4_and_q8_kernels_match_float_references_and_rows_are_independent(isa: 
                 exact8 = x.double() @ dequantize_q8(w).double().T
                 assert (y8.double() - exact8).abs().max() < 1e-3 * exact8.abs().max()
                 assert torch.equal(torch.cat([ops.q8_linear(x[i : i + 1], q8.qs, q8.scale, n) for i in range(m)]), y8)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_layout_gives_a_row_the_same_bits_in_batches_of_any_size(isa: str) -> None:
+    """The micro-kernels are instantiated per row count (up to 8 rows a tile): a row's output must not depend on
+    which one runs it. Every layer layout and the Q8 matrix, both precisions, batches of 2 to 18 rows."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 100, 512
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q8 = pack_q8(w)
+    with on_isa(isa):
+        for kind in ("q4", "q4f", "q8l", "q4k", "q6", "q8"):
+            spec = None if kind == "q8" else linear_spec(packed_layer(kind, w))
+            for is_int8 in (False, True):
+
+                def run(x: torch.Tensor) -> torch.Tensor:
+                    if spec is None:
+                        return ops.q8_linear(x, q8.qs, q8.scale, n, is_int8=is_int8)
+                    return ops.linear(x, spec, n, is_int8=is_int8)
+
+                for m in range(2, 19):
+                    x = torch.randn(m, k, generator=gen)
+                    alone = torch.cat([run(x[i : i + 1]) for i in range(m)])
+                    assert torch.equal(run(x), alone), f"{kind}, int8 {is_int8}, {m} rows"
 
 
 @pytest.mark.parametrize("isa", ISAS)
