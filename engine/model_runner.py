@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine import huge_pages
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.config import EngineConfig
+from engine.kv_pool import KVPool
 from engine.loader import LoadedModel
 from engine.sampler import token_logprobs
 
@@ -37,9 +37,11 @@ class ModelRunner:
 
             sampler = Sampler(vocab_size=self.vocab_size)
         self.sampler = sampler
-        shape = (self.backend.num_kv_heads, config.num_kv_blocks, config.block_size, self.backend.head_dim)
-        self.k_caches = [huge_pages.zeros(shape, self.dtype) for _ in range(self.backend.num_layers)]
-        self.v_caches = [huge_pages.zeros(shape, self.dtype) for _ in range(self.backend.num_layers)]
+        geometry = (self.backend, config.num_kv_blocks, config.block_size, self.dtype)
+        pool, loaded.kv_pool = loaded.kv_pool, None  # a runner's own: taken once
+        if pool is None or not pool.fits(*geometry):
+            pool = KVPool.allocate(*geometry)
+        self.k_caches, self.v_caches = pool.k, pool.v
         self.backend.bind_kv_caches(self.k_caches, self.v_caches)
 
     def run(self, batch: StepBatch) -> StepOutput:
@@ -83,16 +85,20 @@ class ModelRunner:
         return scores
 
     def warmup(self) -> None:
-        """Run a prefill and a decode step so the first request is not slow.
-
-        Writes K/V into the first few blocks; they hold nothing yet, and later steps overwrite them.
-        """
-        blocks = list(range(min(4, self.num_kv_blocks)))
-        n = min(len(blocks) * self.block_size - 1, 48)
+        """Run a prefill and a decode step so the first request is not slow, on a KV cache of their own: writing
+        the pool's first blocks would fault in a huge page per layer, K/V and KV head (0.5 GB on a 1B model),
+        which KVPool does without holding up the start."""
+        blocks = [0, 1]
+        n = min(2 * self.block_size - 1, 16)
+        shape = (self.backend.num_kv_heads, len(blocks), self.block_size, self.backend.head_dim)
+        caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.backend.num_layers)]
+        self.backend.bind_kv_caches(caches[::2], caches[1::2])
         prefill = SeqChunk(seq_id=-1, token_ids=[0] * n, start_pos=0, block_table=blocks, sampling=None)
         decode = SeqChunk(seq_id=-1, token_ids=[0], start_pos=n, block_table=blocks, sampling=None)
-        with torch.inference_mode():
-            for batch in (StepBatch([prefill]), StepBatch([decode])):
-                step = self.backend.forward(batch)
-                self.backend.compute_logits(step.hidden[-1:])
-        self.backend.bind_kv_caches(self.k_caches, self.v_caches)  # forget the warm-up's decode stage
+        try:
+            with torch.inference_mode():
+                for batch in (StepBatch([prefill]), StepBatch([decode])):
+                    step = self.backend.forward(batch)
+                    self.backend.compute_logits(step.hidden[-1:])
+        finally:
+            self.backend.bind_kv_caches(self.k_caches, self.v_caches)  # the pool, without the warm-up's stage

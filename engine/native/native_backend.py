@@ -265,18 +265,62 @@ def _norm(tensor: StoredTensor | None, unit_offset: bool = False) -> torch.Tenso
     return (1.0 + values).contiguous() if unit_offset else values
 
 
+LayerLinears = tuple[LinearSpec, LinearSpec, LinearSpec, LinearSpec]  # q/k/v fused, o, gate/up fused, down
+
+
+@dataclass
+class PackedWeights:
+    """A model's matrices in the native layouts, packed from the stored tensors alone (no config), so that the
+    loader can pack them while it builds the config and tokenizer: the packers release the GIL."""
+
+    embed: Q8Packed
+    head: Q8Packed  # the embedding itself when the model ties them
+    layers: list[LayerLinears]
+    plan: PackPlan
+
+
+def num_layers_of(tensors: Mapping[str, StoredTensor]) -> int:
+    return sum(1 for name in tensors if name.startswith("model.layers.") and name.endswith(".input_layernorm.weight"))
+
+
+def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor]) -> PackedWeights:
+    """Every linear of a Llama-family checkpoint (its Hugging Face names) in its layout; each stored tensor is
+    released once packed."""
+    plan = PackPlan()
+    embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
+    head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
+    layers = [_layer_linears(ops, tensors, f"model.layers.{i}.", plan) for i in range(num_layers_of(tensors))]
+    return PackedWeights(embed, head, layers, plan)
+
+
+def _layer_linears(ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str, plan: PackPlan) -> LayerLinears:
+    def linear(names: list[str]) -> LinearSpec:
+        parts = [tensors[prefix + n + ".weight"] for n in names]
+        biases = [tensors.get(prefix + n + ".bias") for n in names]
+        if any(b is not None for b in biases) and not all(b is not None for b in biases):
+            raise ValueError(f"{prefix}{names}: some of the fused projections have a bias, not all")
+        return _linear(ops, parts, biases if biases[0] is not None else None, plan)
+
+    return (
+        linear(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), linear(["self_attn.o_proj"]),
+        linear(["mlp.gate_proj", "mlp.up_proj"]), linear(["mlp.down_proj"]),
+    )  # fmt: skip
+
+
 class NativeBackend:
     name = "native"
 
     def __init__(self, ops: ModuleType, cfg: Any, tensors: Mapping[str, StoredTensor], max_positions: int,
-                 precision: str) -> None:  # fmt: skip
+                 precision: str, weights: PackedWeights | None = None) -> None:  # fmt: skip
         heads, kv_heads, head_dim = _attn_sizes(cfg)
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, kv_heads, head_dim
         self.vocab_size = int(cfg.vocab_size)
         self.block_size = 0
-        self.plan = PackPlan()
-        embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], self.plan)
-        head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], self.plan)
+        weights = weights or pack_weights(ops, tensors)
+        if len(weights.layers) != self.num_layers:
+            raise ValueError(f"the checkpoint has {len(weights.layers)} layers, its config {self.num_layers}")
+        self.plan = weights.plan
+        embed, head = weights.embed, weights.head
         self.is_gemma = cfg.model_type in UNIT_OFFSET_NORMS
         layer_types = list(getattr(cfg, "layer_types", None) or [None] * self.num_layers)
         # the model's rope tables, and a layer type's own when the config gives it one (Gemma 3's sliding layers)
@@ -294,7 +338,7 @@ class NativeBackend:
             self.impl.set_model_options(float(cfg.hidden_size) ** 0.5, attn_scale, True, float(cap))
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
-            self._add_layer(ops, tensors, prefix)
+            self._add_layer(tensors, prefix, weights.layers[i])
             layer_cos, layer_sin = tables[layer_types[i]] if self.is_gemma else (cos, sin)
             own = layer_cos is not cos
             self.impl.set_layer_options(
@@ -306,21 +350,12 @@ class NativeBackend:
                 layer_window(cfg, i) or 0,
             )  # fmt: skip
 
-    def _add_layer(self, ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str) -> None:
-        def linear(names: list[str]) -> LinearSpec:
-            parts = [tensors[prefix + n + ".weight"] for n in names]
-            biases = [tensors.get(prefix + n + ".bias") for n in names]
-            if any(b is not None for b in biases) and not all(b is not None for b in biases):
-                raise ValueError(f"{prefix}{names}: some of the fused projections have a bias, not all")
-            return _linear(ops, parts, biases if biases[0] is not None else None, self.plan)
-
+    def _add_layer(self, tensors: Mapping[str, StoredTensor], prefix: str, linears: LayerLinears) -> None:
         # Llama's post_attention_layernorm is the norm before the MLP; Gemma's is the one after attention
         before_mlp = "pre_feedforward_layernorm" if self.is_gemma else "post_attention_layernorm"
         self.impl.add_layer(
             _norm(tensors[prefix + "input_layernorm.weight"], self.is_gemma),
-            _norm(tensors[prefix + before_mlp + ".weight"], self.is_gemma),
-            linear(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), linear(["self_attn.o_proj"]),
-            linear(["mlp.gate_proj", "mlp.up_proj"]), linear(["mlp.down_proj"]),
+            _norm(tensors[prefix + before_mlp + ".weight"], self.is_gemma), *linears,
         )  # fmt: skip
 
     def bind_kv_caches(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:

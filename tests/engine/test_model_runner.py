@@ -53,6 +53,9 @@ def test_warmup_and_default_sampler(tiny_llama_dir: Path) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=8)
     runner = ModelRunner(load_model(config), config)
     runner.warmup()
+    # on a cache of its own: the pool's pages are not written (populate_in_background faults them in meanwhile)
+    assert not any(cache.any() for cache in runner.k_caches + runner.v_caches)
     assert (runner.num_kv_blocks, runner.block_size) == (8, BLOCK_SIZE)
     out = runner.run(StepBatch([SeqChunk(0, [1, 2, 3], 0, [5], greedy_row())])).sampled
     assert len(out) == 1 and 0 <= out[0].token_id < runner.vocab_size
+    assert runner.k_caches[0][:, 5].any() and not runner.k_caches[0][:, :5].any()  # the step wrote its own block
