@@ -59,7 +59,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def _load(config: EngineConfig) -> LoadedModel:
-    checkpoint = open_checkpoint(config.model)
+    checkpoint = open_checkpoint(config.model, config.cache_path)
     ops = _native_ops(config)
     # The weights pack on one core while the other builds the config, mostly imports of transformers under the GIL
     # (~1.3 s); the packers run outside it (~0.7 s on a 1B model).

@@ -1,6 +1,6 @@
-"""A GGUF file read in place: metadata parsed once (transformers' fast header reader; gguf's GGUFReader walks every
-vocabulary string through numpy and takes tens of seconds), the tensor table read here (transformers' table
-refuses types it cannot dequantise, such as Q5_0), tensor data memory-mapped and handed out as StoredTensor views,
+"""A GGUF file read in place: its header parsed here, once, without importing transformers (gguf's GGUFReader walks
+every vocabulary string through numpy and takes tens of seconds; transformers' table refuses types it cannot
+dequantise, such as Q5_0), tensor data memory-mapped and handed out as StoredTensor views,
 config and tokenizer rebuilt from the metadata.
 
 Nothing is converted or written: the pages of a tensor are read when its user reads them (the native packing,
@@ -24,6 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.checkpoint.gguf_names import ArchTensors, arch_tensors
+from engine.checkpoint.header_cache import HeaderCache
 from engine.checkpoint.stored_tensor import StoredTensor, permuted_rows
 
 log = logging.getLogger(__name__)
@@ -58,23 +59,29 @@ class TensorInfo:
     nbytes: int
 
 
-# metadata value types: fixed sizes, 8 = string, 9 = array
-_VALUE_SIZES = {0: 1, 1: 1, 7: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 10: 8, 11: 8, 12: 8}
+# metadata value types with a fixed size (struct formats); 8 = string, 9 = array
+_VALUE_FORMATS = {0: "B", 1: "b", 7: "?", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
 
 
-def _skip_value(blob: np.ndarray, pos: int, value_type: int) -> int:
-    if value_type in _VALUE_SIZES:
-        return pos + _VALUE_SIZES[value_type]
+def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
+    """One metadata value and the offset past it; an array of strings (a vocabulary, a merge table) is given as
+    its length only: the tokenizer's conversion reads those itself."""
+    if value_type in _VALUE_FORMATS:
+        fmt = "<" + _VALUE_FORMATS[value_type]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
     if value_type == 8:
-        return pos + 8 + struct.unpack_from("<Q", blob, pos)[0]
+        return _read_string(blob, pos)
     if value_type == 9:
         element_type, count = struct.unpack_from("<IQ", blob, pos)
         pos += 12
-        if element_type in _VALUE_SIZES:
-            return pos + count * _VALUE_SIZES[element_type]
+        if element_type in _VALUE_FORMATS:
+            fmt = f"<{count}{_VALUE_FORMATS[element_type]}"
+            return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
+        if element_type != 8:
+            raise ValueError(f"a metadata array of type {element_type}")
         for _ in range(count):
-            pos = _skip_value(blob, pos, element_type)
-        return pos
+            pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
+        return count, pos
     raise ValueError(f"unknown GGUF metadata value type {value_type}")
 
 
@@ -83,16 +90,21 @@ def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:
     return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
 
 
-def read_tensor_table(blob: np.ndarray, metadata: dict[str, Any]) -> tuple[list[TensorInfo], int]:
-    """Every tensor's name, shape, type and place, and where the data section starts (GGUF v2 / v3)."""
+def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int]:
+    """The metadata, every tensor's name, shape, type and place, and where the data section starts (GGUF v2 / v3)."""
     if bytes(blob[:4]) != b"GGUF":
         raise ValueError("no GGUF magic bytes")
-    _, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (Sluice reads versions 2 and 3)")
     pos = 24
-    for _ in range(kv_count):  # already parsed: only walked past here
-        _, pos = _read_string(blob, pos)
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key, pos = _read_string(blob, pos)
         (value_type,) = struct.unpack_from("<I", blob, pos)
-        pos = _skip_value(blob, pos + 4, value_type)
+        metadata[key], pos = _read_value(blob, pos + 4, value_type)
+    if "general.architecture" not in metadata:
+        raise ValueError("no general.architecture in its metadata")
     table = []
     for _ in range(tensor_count):
         name, pos = _read_string(blob, pos)
@@ -107,7 +119,7 @@ def read_tensor_table(blob: np.ndarray, metadata: dict[str, Any]) -> tuple[list[
             raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, which the gguf package does not know") from None
         table.append(TensorInfo(name, tuple(reversed(dims)), ggml_type, offset, elements // block * block_bytes))
     alignment = int(metadata.get("general.alignment", 32))
-    return table, -(-pos // alignment) * alignment
+    return metadata, table, -(-pos // alignment) * alignment
 
 
 def _type_name(ggml_type: int) -> str:
@@ -118,15 +130,14 @@ def _type_name(ggml_type: int) -> str:
 
 
 class GGUFCheckpoint:
-    def __init__(self, path: Path) -> None:
-        from transformers.integrations.gguf import read_gguf_metadata
-
+    def __init__(self, path: Path, cache_root: Path | None = None) -> None:
+        """cache_root: where the config and tokenizer built from this header are kept between starts (None: not)."""
         self.path = path
         try:
-            self.metadata, _ = read_gguf_metadata(str(path))
             self._file = np.memmap(path, mode="r", dtype=np.uint8)
-            table, self._data_start = read_tensor_table(self._file, self.metadata)
-        except (ValueError, OSError, KeyError, struct.error) as exc:
+            self.metadata, table, self._data_start = read_header(self._file)
+            self._header_cache = HeaderCache(cache_root, self._file[: self._data_start])
+        except (ValueError, OSError, KeyError, struct.error) as exc:  # UnicodeDecodeError is a ValueError
             raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
         self.architecture: str = self.metadata["general.architecture"]
         self.arch: ArchTensors = arch_tensors(self.architecture)
@@ -181,17 +192,22 @@ class GGUFCheckpoint:
     def hf_config(self) -> Any:
         from engine.checkpoint.gguf_config import config_from_metadata
 
-        return config_from_metadata(self.metadata, self.tensors)
+        return self._header_cache.config(lambda: config_from_metadata(self.metadata, self.tensors))
 
     def tokenizer(self) -> Any:
+        from transformers import PreTrainedTokenizerFast
+
+        backend, kwargs = self._header_cache.tokenizer_parts(self._converted_tokenizer)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+    def _converted_tokenizer(self) -> tuple[Any, dict[str, Any]]:
         """transformers' GGUF tokenizer conversion, called directly: AutoTokenizer's GGUF path would also rebuild
         the config through gguf's GGUFReader, which walks every vocabulary string in Python (tens of seconds)."""
-        from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+        return backend, {**tokenizer_config, **extra}
 
     def eos_token_ids(self) -> set[int]:
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")

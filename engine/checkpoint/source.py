@@ -47,10 +47,11 @@ def served_name(model: str) -> str:
     return path.resolve().name
 
 
-def open_checkpoint(model: str) -> Checkpoint:
+def open_checkpoint(model: str, cache_root: Path | None = None) -> Checkpoint:
+    """cache_root: where a GGUF's config and tokenizer are kept between starts (header_cache.py; None: not kept)."""
     path = model_path(model)
     if path.is_dir():
         return FolderCheckpoint(path)
     if path.suffix != ".gguf":
         raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
-    return GGUFCheckpoint(path)
+    return GGUFCheckpoint(path, cache_root)

@@ -1,0 +1,90 @@
+"""A GGUF's config and tokenizer, built once and kept by header_cache: a start from the cache gets the values and
+the token ids a fresh conversion gets, a damaged entry is rebuilt, and a cache that cannot be written costs nothing
+but the time."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.checkpoint.source import default_gguf_path, open_checkpoint
+from engine.config import EngineConfig
+from engine.models.packaged import gemma3_270m_gguf
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "日本語のテキストと中文文本，还有한국어도 있어요。",
+    "emoji 🌍🚀👩‍👩‍👧 and  two  spaces\tand a tab\nand a newline",
+    "<|im_start|>user\nhi<|im_end|> <start_of_turn>model\n<end_of_turn> <bos><eos>",
+    "def f(x):\n    return x ** 2  # ∑ ∫ √",
+]
+
+
+def _entry_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_a_cached_start_gets_the_config_and_token_ids_of_a_fresh_conversion(which: str, tmp_path: Path) -> None:
+    path = default_gguf_path() if which == "default" else gemma3_270m_gguf(EngineConfig().cache_path)
+    fresh = open_checkpoint(str(path))  # no cache root: converted, nothing kept
+    cold = open_checkpoint(str(path), tmp_path)
+    fresh_config, cold_config = fresh.hf_config, cold.hf_config
+    fresh_tok, cold_tok = fresh.tokenizer(), cold.tokenizer()
+    assert _entry_files(tmp_path), "the first start wrote an entry"
+    warm = open_checkpoint(str(path), tmp_path)
+    warm_config, warm_tok = warm.hf_config, warm.tokenizer()
+    assert type(warm_config) is not type(fresh_config)  # transformers' PreTrainedConfig: no model class imported
+    for key, value in fresh_config.to_dict().items():
+        # model_type: a class attribute of the model's class, an instance's when cached; the version: to_dict's note
+        if key not in ("model_type", "transformers_version"):
+            assert getattr(warm_config, key) == value == getattr(cold_config, key), key
+    assert warm_config.model_type == fresh_config.model_type
+    for tok in (cold_tok, warm_tok):
+        assert len(tok) == len(fresh_tok) and tok.all_special_tokens == fresh_tok.all_special_tokens
+        assert tok.chat_template == fresh_tok.chat_template
+        for text in TEXTS:
+            ids = fresh_tok.encode(text)
+            assert tok.encode(text) == ids and tok.decode(ids) == fresh_tok.decode(ids), text
+
+
+def test_a_cached_start_generates_what_a_fresh_one_does(tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = ["The capital of France is", "日本の首都は"]
+    texts = []
+    for _ in range(2):  # the first start writes the entry, the second reads it
+        llm = LLM("", cache_dir=str(tmp_path), num_kv_blocks=64)
+        texts.append([out.outputs[0].text for out in llm.generate(prompts, params)])
+        del llm
+    assert _entry_files(tmp_path)
+    assert texts[0] == texts[1] and all(texts[0])
+
+
+def test_a_damaged_entry_is_built_again(tmp_path: Path, caplog) -> None:
+    path = str(default_gguf_path())
+    expected = open_checkpoint(path, tmp_path).tokenizer().encode(TEXTS[1])
+    open_checkpoint(path, tmp_path).hf_config
+    for file in _entry_files(tmp_path):
+        file.write_text("{ not json")
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.header_cache"):
+        checkpoint = open_checkpoint(path, tmp_path)
+        assert checkpoint.hf_config.model_type == "llama"
+        assert checkpoint.tokenizer().encode(TEXTS[1]) == expected
+    assert caplog.text.count("building it again") == 2
+    assert open_checkpoint(path, tmp_path).tokenizer().encode(TEXTS[1]) == expected  # rewritten whole
+
+
+def test_a_cache_that_cannot_be_written_costs_nothing_but_time(tmp_path: Path) -> None:
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("")
+    checkpoint = open_checkpoint(str(default_gguf_path()), blocked / "cache")
+    assert checkpoint.hf_config.model_type == "llama" and checkpoint.tokenizer().encode("hi")
+
+
+def test_each_header_has_its_own_entry(tmp_path: Path) -> None:
+    open_checkpoint(str(default_gguf_path()), tmp_path).hf_config
+    open_checkpoint(str(gemma3_270m_gguf(EngineConfig().cache_path)), tmp_path).hf_config
+    assert len(list((tmp_path / "gguf-header").iterdir())) == 2
