@@ -7,11 +7,13 @@ entry is keyed by the header's bytes, the versions of transformers and tokenizer
 conversion: a changed file, library or rule is a new entry, never a stale one. A cached config comes back as
 transformers' PreTrainedConfig carrying every value the model's own class set (its to_dict()).
 
-An entry is written whole into a temporary folder and renamed into place; an unreadable one is rebuilt.
+An entry is written whole into a temporary folder and renamed into place; an unreadable one is rebuilt. The
+MAX_ENTRIES most recently used entries are kept (an entry is tens of MB at most: Gemma 3's vocabulary is 32 MB).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +29,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 FORMAT = "1"  # of an entry's files
+MAX_ENTRIES = 16
 _SOURCES = ("gguf_config.py", "gguf_file.py", "header_cache.py")  # the conversion's rules
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"  # written last: an entry with it is whole
@@ -50,7 +53,8 @@ class HeaderCache:
     """One GGUF header's entry under root (no root: nothing is kept)."""
 
     def __init__(self, root: Path | None, header: np.ndarray) -> None:
-        self.dir = root / "gguf-header" / entry_key(header) if root is not None else None
+        self.entries = root / "gguf-header" if root is not None else None
+        self.dir = self.entries / entry_key(header) if self.entries is not None else None
 
     def config(self, build: Callable[[], Any]) -> Any:
         def load(folder: Path) -> Any:
@@ -87,9 +91,13 @@ class HeaderCache:
                 save: Callable[[Any, Path], None]) -> Any:  # fmt: skip
         if self.dir is not None and (self.dir / what / marker).is_file():
             try:
-                return load(self.dir / what)
+                value = load(self.dir / what)
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign entry: rebuilt below
                 log.warning("cached %s in %s unreadable (%s): building it again", what, self.dir, exc)
+            else:
+                with contextlib.suppress(OSError):
+                    os.utime(self.dir)  # used: evicted last
+                return value
         value = build()
         if self.dir is not None:
             self._write(what, lambda folder: save(value, folder))
@@ -109,3 +117,19 @@ class HeaderCache:
                 shutil.rmtree(staging, ignore_errors=True)
         except Exception as exc:  # noqa: BLE001 - e.g. a read-only or full disk: the next start builds it again
             log.info("cannot cache the %s under %s: %s", what, self.dir, exc)
+            return
+        self._evict()
+
+    def _evict(self) -> None:
+        """All but the MAX_ENTRIES most recently used entries (another process may be evicting too)."""
+        assert self.entries is not None
+
+        def last_used(entry: Path) -> float:
+            try:
+                return entry.stat().st_mtime
+            except OSError:
+                return 0.0
+
+        entries = sorted(self.entries.iterdir(), key=last_used, reverse=True)
+        for stale in entries[MAX_ENTRIES:]:
+            shutil.rmtree(stale, ignore_errors=True)

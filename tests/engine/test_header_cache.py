@@ -88,3 +88,15 @@ def test_each_header_has_its_own_entry(tmp_path: Path) -> None:
     open_checkpoint(str(default_gguf_path()), tmp_path).hf_config
     open_checkpoint(str(gemma3_270m_gguf(EngineConfig().cache_path)), tmp_path).hf_config
     assert len(list((tmp_path / "gguf-header").iterdir())) == 2
+
+
+def test_the_least_recently_used_entries_go_past_the_limit(tmp_path: Path, monkeypatch) -> None:
+    from engine.checkpoint import header_cache
+
+    monkeypatch.setattr(header_cache, "MAX_ENTRIES", 1)
+    default, gemma = str(default_gguf_path()), str(gemma3_270m_gguf(EngineConfig().cache_path))
+    open_checkpoint(default, tmp_path).hf_config
+    (first,) = (tmp_path / "gguf-header").iterdir()
+    open_checkpoint(gemma, tmp_path).hf_config
+    (second,) = (tmp_path / "gguf-header").iterdir()
+    assert second != first and (second / "config" / header_cache.CONFIG_FILE).is_file()
