@@ -18,6 +18,7 @@ MODES: dict[str, tuple[str, str]] = {
     "gil": ("bench.experiments.gil", "the event loop's lag while the engine decodes in its worker thread"),
     "never-read": ("bench.experiments.never_read", "what clients that never read cost a server (RSS)"),
     "burst": ("bench.experiments.burst", "time to response headers in a burst, with a lean client"),
+    "ready": ("bench.experiments.ready", "time to ready and the first request: Sluice's first and later starts, llama-server"),
     "structured": ("bench.experiments.structured", "constrained against unconstrained decoding"),
     "parallel-sampling": ("bench.experiments.parallel_sampling", "one request with n against n requests"),
     "cluster": ("bench.cluster", "engine replicas against one process, in one run"),
