@@ -61,8 +61,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def _load(config: EngineConfig) -> LoadedModel:
     checkpoint = open_checkpoint(config.model, config.cache_path)
     ops = _native_ops(config)
-    # The weights pack on one core while the other builds the config, mostly imports of transformers under the GIL
-    # (~1.3 s); the packers run outside it (~0.7 s on a 1B model).
+    # The weights pack on one core while the other builds the config: imports of transformers under the GIL (0.5 s;
+    # 1.8 s where header_cache has no entry yet); the packers run outside it (0.7-1 s on a 1B model).
     num_threads = config.num_threads if config.num_threads > 0 else torch.get_num_threads()
     torch.set_num_threads(1)
     try:
