@@ -195,10 +195,7 @@ class GGUFCheckpoint:
         return self._header_cache.config(lambda: config_from_metadata(self.metadata, self.tensors))
 
     def tokenizer(self) -> Any:
-        from transformers import PreTrainedTokenizerFast
-
-        backend, kwargs = self._header_cache.tokenizer_parts(self._converted_tokenizer)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+        return self._header_cache.tokenizer(self._converted_tokenizer)
 
     def _converted_tokenizer(self) -> tuple[Any, dict[str, Any]]:
         """transformers' GGUF tokenizer conversion, called directly: AutoTokenizer's GGUF path would also rebuild
