@@ -109,6 +109,7 @@ class HeaderCache:
             return None
         with contextlib.suppress(OSError):
             os.utime(self.dir)  # used: evicted last
+        log.info("%s of this GGUF header read from %s", what, self.dir)
         return value
 
     def _write(self, what: str, save: Callable[[Path], None]) -> None:
