@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from tests.support.server_harness import REPO, free_port, health, parse_sse, wait_until
 
@@ -163,24 +164,30 @@ def test_a_vanished_client_frees_its_replicas_kv(cluster: ClusterServer) -> None
     assert "sluice_requests_aborted_total 1.0" in text
 
 
-def test_affine_routing_keeps_each_conversation_on_one_replica(cluster: ClusterServer) -> None:
+def test_affine_routing_keeps_each_conversation_on_one_replica(cluster: ClusterServer, tiny_llama_dir: Path) -> None:
     """Six conversations of three turns, interleaved. A turn's cached tokens come from its replica's own prefix
-    cache: every later turn finds its whole earlier prompt there, so it went where its history is."""
+    cache: every later turn finds there every full block its prompt shares with the conversation's earlier prompt
+    (all of it, unless the tokenizer merged the earlier generation prompt's end with the reply's text now after
+    it: then up to that token), so it went where its history is."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     hits_before = sum(r["prefix_hits"] for r in cluster.replicas())
     num_cached = 0
     histories = {u: [{"role": "system", "content": SYSTEM}] for u in range(6)}
-    previous_prompt: dict[int, int] = {}
+    previous_prompt: dict[int, list[int]] = {}
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
         for turn in range(3):
             for user, messages in histories.items():
                 messages.append({"role": "user", "content": f"User {user} asks question number {turn}."})
+                prompt = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
                 body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
                 answer = client.post("/v1/chat/completions", json=body).json()
                 usage = answer["usage"]
+                assert usage["prompt_tokens"] == len(prompt)  # the server's tokens are these
                 if turn:
-                    # The earlier prompt's full blocks (block size 4) are all found on this replica.
-                    assert usage["prompt_tokens_details"]["cached_tokens"] >= previous_prompt[user] // 4 * 4 - 4
-                previous_prompt[user] = usage["prompt_tokens"]
+                    earlier = previous_prompt[user]
+                    shared = next((i for i, (a, b) in enumerate(zip(earlier, prompt)) if a != b), len(earlier))
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= shared // 4 * 4 > 0, (user, turn)  # blocks of 4
+                previous_prompt[user] = prompt
                 num_cached += usage["prompt_tokens_details"]["cached_tokens"]
                 messages.append(answer["choices"][0]["message"])
     decisions = health(cluster.base_url)[1]["replicas"]["decisions"]
