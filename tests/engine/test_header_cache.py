@@ -51,12 +51,14 @@ def test_a_cached_start_gets_the_config_and_token_ids_of_a_fresh_conversion(whic
             assert tok.encode(text) == ids and tok.decode(ids) == fresh_tok.decode(ids), text
 
 
-def test_a_cached_start_generates_what_a_fresh_one_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_a_cached_start_generates_what_a_fresh_one_does(which: str, tmp_path: Path) -> None:
+    model = "" if which == "default" else str(gemma3_270m_gguf(EngineConfig().cache_path))
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    prompts = ["The capital of France is", "日本の首都は"]
+    prompts = ["The capital of France is", "日本の首都は", "x " * 700]  # the last past Gemma 3's 512-token window
     texts = []
     for _ in range(2):  # the first start writes the entry, the second reads it
-        llm = LLM("", cache_dir=str(tmp_path), num_kv_blocks=64)
+        llm = LLM(model, cache_dir=str(tmp_path), num_kv_blocks=128)
         texts.append([out.outputs[0].text for out in llm.generate(prompts, params)])
         del llm
     assert _entry_files(tmp_path)
