@@ -85,8 +85,9 @@ async def start_ready(name: str, command: list[str], target: Target, log_dir: Pa
     return server
 
 
-async def wait_ready(server: ManagedServer, timeout: float = 600.0) -> None:
-    """Polls /health (then /v1/models, for servers without it) until 200; fails fast if the process died."""
+async def wait_ready(server: ManagedServer, timeout: float = 600.0, interval: float = 0.5) -> None:
+    """Polls /health (then /v1/models, for servers without it) every `interval` s until 200; fails fast if the
+    process died."""
     deadline = time.monotonic() + timeout
     root = server.target.root
     async with httpx.AsyncClient(timeout=5.0) as client:
@@ -105,7 +106,7 @@ async def wait_ready(server: ManagedServer, timeout: float = 600.0) -> None:
                     return
                 if response.status_code != 404:
                     break
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(interval)
     raise TimeoutError(f"{server.target.name} not ready after {timeout:g} s; log tail:\n{server.log_tail()}")
 
 

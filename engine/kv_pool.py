@@ -4,7 +4,6 @@ the first blocks' pages fault in while it still builds the tokenizer; the model 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -17,19 +16,22 @@ from engine.step_backend import StepBackend
 class KVPool:
     k: list[torch.Tensor]  # per layer
     v: list[torch.Tensor]
-    populating: threading.Thread
 
     @classmethod
     def allocate(cls, backend: StepBackend, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVPool:
-        shape = (backend.num_kv_heads, num_blocks, block_size, backend.head_dim)
+        shape = _layer_shape(backend, num_blocks, block_size)
         k = [huge_pages.zeros(shape, dtype) for _ in range(backend.num_layers)]
         v = [huge_pages.zeros(shape, dtype) for _ in range(backend.num_layers)]
         # The first requests' blocks (handed out from 0 up) lie in the first huge page of each KV head's run of
         # blocks: a page per layer, K/V and KV head (0.5 GB on a 1B model), zero-filled by the kernel on first
         # touch (~1 GB/s in a VM's fresh memory), faulted in meanwhile rather than in the first steps.
-        populating = huge_pages.populate_in_background([(head, huge_pages.HUGE_PAGE) for cache in k + v for head in cache])
-        return cls(k, v, populating)
+        huge_pages.populate_in_background([(head, huge_pages.HUGE_PAGE) for cache in k + v for head in cache])
+        return cls(k, v)
 
     def fits(self, backend: StepBackend, num_blocks: int, block_size: int, dtype: torch.dtype) -> bool:
-        shape = (backend.num_kv_heads, num_blocks, block_size, backend.head_dim)
+        shape = _layer_shape(backend, num_blocks, block_size)
         return len(self.k) == backend.num_layers and tuple(self.k[0].shape) == shape and self.k[0].dtype == dtype
+
+
+def _layer_shape(backend: StepBackend, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    return (backend.num_kv_heads, num_blocks, block_size, backend.head_dim)

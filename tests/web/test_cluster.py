@@ -187,7 +187,8 @@ def test_affine_routing_keeps_each_conversation_on_one_replica(cluster: ClusterS
                 if turn:
                     earlier = previous_prompt[user]
                     shared = next((i for i, (a, b) in enumerate(zip(earlier, prompt)) if a != b), len(earlier))
-                    assert usage["prompt_tokens_details"]["cached_tokens"] >= shared // 4 * 4 > 0, (user, turn)  # blocks of 4
+                    # every full block (of 4) of the shared prefix
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= shared // 4 * 4 > 0, (user, turn)
                 previous_prompt[user] = prompt
                 num_cached += usage["prompt_tokens_details"]["cached_tokens"]
                 messages.append(answer["choices"][0]["message"])
