@@ -347,10 +347,14 @@ def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
     try:
         request = model.model_validate(body)
     except ValidationError as error:
-        first = error.errors()[0]
+        # A union's members each fail (content as a string, then as a list of parts): the deepest failure is the
+        # one the client meant ("messages.0.content.0.type", not "messages.0.content: should be a string").
+        errors = error.errors()
+        first = max(errors, key=lambda e: len(e["loc"]))
         param = _param_from_loc(first["loc"])
         where = f"{param}: " if param else ""
-        raise APIError(400, f"{where}{first['msg']}", param=param) from None
+        got = f", got {first['input']!r}" if first["type"] == "literal_error" and isinstance(first["input"], str) else ""
+        raise APIError(400, f"{where}{first['msg']}{got}"[:500], param=param) from None
     request.check_supported()
     return request
 

@@ -93,6 +93,25 @@ def test_values_that_cannot_be_honoured_get_a_400_naming_the_parameter(
 
 
 @pytest.mark.parametrize(
+    "message, param, words",
+    [
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
+         "messages.0.content.0.type", "'text', got 'image_url'"),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content.0.text", "Field required"),
+        ({"role": "robot", "content": "hi"}, "messages.0.role", "got 'robot'"),
+    ],  # fmt: skip
+)
+def test_a_chat_message_the_server_cannot_take_gets_a_400_naming_its_part(
+    http: httpx.Client, message: dict[str, Any], param: str, words: str
+) -> None:
+    """Content is a string or a list of text parts: a bad part is named, not reported as "not a string"."""
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [message], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.parametrize(
     "fields",
     [
         {"top_p": 5e-324, "temperature": 1.0},  # a denormal that vanishes in float32
