@@ -185,8 +185,8 @@ def attention_rows(ops, variant: str, rows: list[int], peaks: Peaks, opts) -> li
             continue  # a decode batch of more than 128 sequences is not a case the server meets
         num_blocks = m * blocks_per_seq
         gen = torch.Generator().manual_seed(1)
-        k = torch.randn(KV_HEADS, num_blocks, block, HEAD_DIM, generator=gen).bfloat16()
-        v = torch.randn(KV_HEADS, num_blocks, block, HEAD_DIM, generator=gen).bfloat16()
+        k = torch.randn(num_blocks, KV_HEADS, block, HEAD_DIM, generator=gen).bfloat16()  # the step's layout
+        v = torch.randn(num_blocks, KV_HEADS, block, HEAD_DIM, generator=gen).bfloat16()
         tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(m, blocks_per_seq)
         q = torch.randn(m, HEADS, HEAD_DIM, generator=gen)
         lengths = torch.full((m,), length, dtype=torch.int64)
@@ -221,7 +221,7 @@ def prefill_chunk_row(ops, variant: str, peaks: Peaks, opts, precision: str, sta
                     q4(HIDDEN, HEADS * HEAD_DIM), q4(2 * INTERMEDIATE, HIDDEN), q4(HIDDEN, INTERMEDIATE))  # fmt: skip
     model.set_precision(precision)
     num_blocks = length // block
-    cache = [torch.zeros(KV_HEADS, num_blocks, block, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+    cache = [torch.zeros(num_blocks, KV_HEADS, block, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
     model.set_kv_caches([cache[0]], [cache[1]])
     ids = torch.randint(0, vocab, (chunk,), generator=gen)
     pos = torch.arange(start, length)

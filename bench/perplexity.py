@@ -43,6 +43,7 @@ def reference_logits(path: Path, chunks: list[list[int]]) -> list[torch.Tensor]:
 
 def native_logits(path: Path, chunks: list[list[int]], precision: str) -> list[torch.Tensor]:
     from engine.config import EngineConfig
+    from engine.kv_pool import layer_shape
     from engine.loader import load_model
 
     ctx = len(chunks[0])
@@ -52,7 +53,7 @@ def native_logits(path: Path, chunks: list[list[int]], precision: str) -> list[t
     backend = loaded.backend
     if getattr(backend, "name", "") != "native":
         raise SystemExit("the native step is not built or cannot run this model (make install)")
-    shape = (backend.num_kv_heads, num_blocks, block_size, backend.head_dim)
+    shape = layer_shape(backend, num_blocks, block_size)
     k = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(backend.num_layers)]
     v = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(backend.num_layers)]
     backend.bind_kv_caches(k, v)

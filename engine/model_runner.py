@@ -13,7 +13,7 @@ import torch
 
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.config import EngineConfig
-from engine.kv_pool import KVPool
+from engine.kv_pool import KVPool, layer_shape
 from engine.loader import LoadedModel
 from engine.sampler import token_logprobs
 
@@ -86,11 +86,10 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Run a prefill and a decode step so the first request is not slow, on a KV cache of their own: writing
-        the pool's first blocks would fault in a huge page per layer, K/V and KV head (0.5 GB on a 1B model),
-        which KVPool does without holding up the start."""
+        the pool's first blocks would fault in their huge pages, which KVPool does without holding up the start."""
         blocks = [0, 1]
         n = min(2 * self.block_size - 1, 16)
-        shape = (self.backend.num_kv_heads, len(blocks), self.block_size, self.backend.head_dim)
+        shape = layer_shape(self.backend, len(blocks), self.block_size)
         caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.backend.num_layers)]
         self.backend.bind_kv_caches(caches[::2], caches[1::2])
         prefill = SeqChunk(seq_id=-1, token_ids=[0] * n, start_pos=0, block_table=blocks, sampling=None)

@@ -32,9 +32,12 @@ class StepBackend(Protocol):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # A layer's cache [num_blocks, KVH, block_size, head_dim] (the native step: a block's rows of every KV head
+    # together) or [KVH, num_blocks, block_size, head_dim] (the eager path): see engine.kv_pool.layer_shape.
+    is_kv_block_major: bool
 
     def bind_kv_caches(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """The runner's paged caches, one K and one V per layer, [KVH, num_blocks, block_size, head_dim]."""
+        """The runner's paged caches, one K and one V per layer, in the backend's layout (is_kv_block_major)."""
 
     def forward(self, batch: StepBatch) -> StepHidden: ...
 

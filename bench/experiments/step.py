@@ -30,9 +30,11 @@ def timings(fn: Callable[[], object], calls: int) -> list[float]:
 def measure(backend, rows: int, calls: int) -> tuple[list[float], list[float]]:
     import torch
 
+    from engine.kv_pool import layer_shape
+
     bs, ctx = 16, 512
     num_blocks = rows * ctx // bs
-    shape = (backend.num_kv_heads, num_blocks, bs, backend.head_dim)
+    shape = layer_shape(backend, num_blocks, bs)
     gen = torch.Generator().manual_seed(0)
     caches = [[torch.randn(shape, generator=gen).bfloat16() * 0.1 for _ in range(backend.num_layers)] for _ in "kv"]
     backend.bind_kv_caches(*caches)

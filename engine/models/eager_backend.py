@@ -33,6 +33,7 @@ class _StageState:
 
 class EagerBackend:
     name = "eager"
+    is_kv_block_major = False  # [KVH, num_blocks, block_size, D]: paged_attention gathers a head's keys in one index
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, block_size: int, use_int4: bool) -> None:
         self.model = model

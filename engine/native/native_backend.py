@@ -309,6 +309,7 @@ def _layer_linears(ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix:
 
 class NativeBackend:
     name = "native"
+    is_kv_block_major = True  # a sequence's first blocks lie in a few huge pages, not one per KV head
 
     def __init__(self, ops: ModuleType, cfg: Any, tensors: Mapping[str, StoredTensor], max_positions: int,
                  precision: str, weights: PackedWeights | None = None) -> None:  # fmt: skip
@@ -359,7 +360,7 @@ class NativeBackend:
         )  # fmt: skip
 
     def bind_kv_caches(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """The runner's per-layer caches, [KVH, num_blocks, block_size, head_dim], float32 or bfloat16."""
+        """The runner's per-layer caches, [num_blocks, KVH, block_size, head_dim], float32 or bfloat16."""
         self.impl.set_kv_caches(k, v)
         self.block_size = k[0].shape[2]
 

@@ -11,6 +11,7 @@ import torch
 
 from engine.checkpoint.source import open_checkpoint
 from engine.config import EngineConfig
+from engine.kv_pool import layer_shape
 from engine.loader import load_model
 from engine.native import native_ops
 from engine.native.native_backend import NativeBackend
@@ -26,7 +27,7 @@ def test_weights_packed_ahead_give_the_bits_of_weights_packed_in_order(tiny_llam
     checkpoint = open_checkpoint(str(tiny_llama_dir))
     in_order = NativeBackend(ops, checkpoint.hf_config, checkpoint.tensors, 512, config.precision)
     assert ahead.name == "native" and ahead.plan == in_order.plan
-    shape = (in_order.num_kv_heads, 4, 16, in_order.head_dim)
+    shape = layer_shape(in_order, 4, 16)
     hidden = []
     for backend in (ahead, in_order):
         backend.bind_kv_caches([torch.zeros(shape, dtype=torch.bfloat16) for _ in range(backend.num_layers)],

@@ -26,6 +26,7 @@ from engine import LLM, SamplingParams
 from engine.checkpoint.block_grids import grid_of
 from engine.checkpoint.stored_tensor import StoredTensor
 from engine.config import EngineConfig
+from engine.kv_pool import blocks_of
 from engine.model_runner import ModelRunner
 import engine.native as engine_native
 from engine.loader import load_model
@@ -480,7 +481,8 @@ def test_sliding_layers_never_read_keys_before_their_window(tmp_path: Path, nati
             for block in seq.blocks[: first_in_window // BLOCK_SIZE]:
                 if poison:
                     for k, v in zip(runner.k_caches, runner.v_caches):
-                        k[:, block], v[:, block] = float("nan"), float("nan")
+                        blocks_of(runner.backend, k, block).fill_(float("nan"))
+                        blocks_of(runner.backend, v, block).fill_(float("nan"))
             run.step([(seq, 1)])
             run.step([(seq, 1)])
             runs.append(sampler.rows)
@@ -604,8 +606,8 @@ def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, d
         pytest.skip(f"this CPU has no {isa}")
     gen = torch.Generator().manual_seed(3)
     kv_heads, heads, dim, block, blocks = 2, 6, 64, 5, 40
-    k = torch.randn(kv_heads, blocks, block, dim, generator=gen).to(dtype)
-    v = torch.randn(kv_heads, blocks, block, dim, generator=gen).to(dtype)
+    k = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype)  # the step's layout, block-major
+    v = torch.randn(blocks, kv_heads, block, dim, generator=gen).to(dtype)
     lengths = torch.tensor([1, 7, 23, 40])
     tables = torch.randperm(blocks, generator=gen)[:32].view(4, 8).to(torch.int32)
     q = torch.randn(4, heads, dim, generator=gen)
@@ -617,7 +619,8 @@ def test_decode_attention_over_scattered_blocks_is_softmax_attention(isa: str, d
     for i, length in enumerate(lengths.tolist()):
         pos = torch.arange(length)
         blocks_of = tables[i].long()[pos // block]
-        keys, values = k[:, blocks_of, pos % block].float(), v[:, blocks_of, pos % block].float()  # [KVH, L, D]
+        keys, values = k[blocks_of, :, pos % block].float(), v[blocks_of, :, pos % block].float()  # [L, KVH, D]
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         group = heads // kv_heads
         scores = torch.einsum("hd,hld->hl", q[i], keys.repeat_interleave(group, 0)) / dim**0.5
         expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values.repeat_interleave(group, 0))
@@ -638,7 +641,7 @@ def test_a_query_head_gets_the_same_bits_alone_and_beside_its_group(isa: str) ->
         for dim in (32, 64, 128, 256):
             q = torch.randn(len(lengths), 7, dim, generator=gen)
             for dtype in (torch.float32, torch.bfloat16):
-                k, v = (torch.randn(1, blocks, block, dim, generator=gen).to(dtype) for _ in range(2))
+                k, v = (torch.randn(blocks, 1, block, dim, generator=gen).to(dtype) for _ in range(2))
                 alone = [ops.attention(q[:, h : h + 1].contiguous(), k, v, tables, lengths)[:, 0] for h in range(7)]
                 for group in range(2, 8):
                     out = ops.attention(q[:, :group].contiguous(), k, v, tables, lengths)

@@ -6,7 +6,7 @@
 // Weights: the layers' linears on the GGUF file's own grids (the Q4 layout for Q4_0 / Q4_1 / Q4_K, the Q6 layout for
 // Q6_K, the Q8 layer layout for the other grids; a linear's parts may differ), Q8_0 (int8, per 32-group scale) for
 // the token embedding and lm_head.
-// Activations are float32; the KV cache is the runner's (bf16 or float32, [KVH][blocks][block_size][D]),
+// Activations are float32; the KV cache is the runner's (bf16 or float32, [blocks][KVH][block_size][D]),
 // written and read in place through block tables. Kernels are compiled three times (AVX-512, AVX2+FMA,
 // baseline x86-64) and chosen at run time from the CPU's features.
 #include <torch/extension.h>
@@ -735,15 +735,15 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor temperatures, at::Tensor to
   return tokens;
 }
 
-// Attention alone, as the step runs it for decodes: q [T, heads, D] float32; k, v caches [KVH, blocks, block_size, D]
-// (float32 or bfloat16); block_tables [T, max_blocks] int32; lengths [T] int64: token i attends to keys
-// 0 .. lengths[i] - 1 of its table. One task per (token, KV head). Returns [T, heads, D].
+// Attention alone, as the step runs it for decodes: q [T, heads, D] float32; k, v caches in the step's layout,
+// [blocks, KVH, block_size, D] (float32 or bfloat16); block_tables [T, max_blocks] int32; lengths [T] int64: token i
+// attends to keys 0 .. lengths[i] - 1 of its table. One task per (token, KV head). Returns [T, heads, D].
 at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor lengths) {
   check_f32(q, "q");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
-                  k.is_contiguous() && v.is_contiguous(), "attention: q [T, heads, D], k and v [KVH, blocks, bs, D]");
+                  k.is_contiguous() && v.is_contiguous(), "attention: q [T, heads, D], k and v [blocks, KVH, bs, D]");
   TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16, "attention: float32 or bf16 cache");
-  const int64_t T = q.size(0), heads = q.size(1), D = q.size(2), KVH = k.size(0), bs = k.size(2);
+  const int64_t T = q.size(0), heads = q.size(1), D = q.size(2), KVH = k.size(1), bs = k.size(2);
   TORCH_CHECK(k.size(3) == D && (D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && heads % KVH == 0, "attention: shapes");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == T,
               "attention: block_tables [T, max_blocks] int32");
@@ -755,11 +755,12 @@ at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables
     TORCH_CHECK(len[i] >= 1 && len[i] <= tables.size(1) * bs, "attention: length out of range");
     max_len = std::max(max_len, len[i]);
   }
-  for (int64_t i = 0; i < tables.numel(); i++) TORCH_CHECK(table[i] >= 0 && table[i] < k.size(1), "attention: block id");
+  for (int64_t i = 0; i < tables.numel(); i++)
+    TORCH_CHECK(table[i] >= 0 && table[i] < k.size(0), "attention: block id");
   at::Tensor out = at::empty_like(q);
   const Kernels& kern = kernels();
   const int G = (int)(heads / KVH), Lp = (int)((max_len + 15) / 16 * 16);
-  const int64_t head_stride = k.size(1) * bs * D;
+  const int64_t head_stride = bs * D, block_stride = KVH * bs * D;
   const float scale = 1.0f / std::sqrt((float)D);
   at::parallel_for(0, T * KVH, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores((size_t)MAX_HEADS_PER_PASS * Lp);
@@ -770,11 +771,11 @@ at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables
       const int* tab = table + i * tables.size(1);
       if (k.scalar_type() == at::kBFloat16)
         kern.attend_bf16(qh, G, (int)D, (const unsigned short*)k.data_ptr() + kh * head_stride,
-                         (const unsigned short*)v.data_ptr() + kh * head_stride, tab, (int)bs, 0, (int)len[i], true, scale,
-                         scores.data(), o);
+                         (const unsigned short*)v.data_ptr() + kh * head_stride, tab, (int)bs, block_stride, 0,
+                         (int)len[i], true, scale, scores.data(), o);
       else
         kern.attend_f32(qh, G, (int)D, k.data_ptr<float>() + kh * head_stride, v.data_ptr<float>() + kh * head_stride,
-                        tab, (int)bs, 0, (int)len[i], true, scale, scores.data(), o);
+                        tab, (int)bs, block_stride, 0, (int)len[i], true, scale, scores.data(), o);
     }
   });
   return out;
@@ -855,12 +856,13 @@ class NativeLlama {
     for (size_t i = 0; i < k.size(); i++) {
       for (const auto& c : {k[i], v[i]}) {
         TORCH_CHECK(c.scalar_type() == dtype && c.is_contiguous() && c.dim() == 4, "bad KV cache tensor");
-        TORCH_CHECK(c.size(0) == kv_heads_ && c.size(3) == D_ && c.sizes() == k[0].sizes(), "bad KV cache shape");
+        TORCH_CHECK(c.size(1) == kv_heads_ && c.size(3) == D_ && c.sizes() == k[0].sizes(),
+                    "bad KV cache shape: [blocks, KV heads, block_size, head_dim]");
       }
     }
     k_ = k;
     v_ = v;
-    num_blocks_ = k[0].size(1);
+    num_blocks_ = k[0].size(0);
     block_size_ = k[0].size(2);
     kv_bf16_ = dtype == at::kBFloat16;
   }
@@ -916,7 +918,8 @@ class NativeLlama {
         for (int j = 0; j < H; j++) h[i * H + j] *= embed_scale_;
     }
     const float scale = attn_scale_;
-    const int64_t head_stride = num_blocks_ * block_size_ * D;
+    // [blocks, KV heads, block_size, D]: a block's rows of all KV heads lie together
+    const int64_t head_stride = block_size_ * D, block_stride = kv_heads_ * head_stride;
 
     for (size_t l = 0; l < layers_.size(); l++) {
       const Layer& layer = layers_[l];
@@ -942,7 +945,7 @@ class NativeLlama {
           for (int kh = 0; kh < kv_heads_; kh++) {
             const float* kr = row + (heads_ + kh) * D;
             const float* vr = row + (heads_ + kv_heads_ + kh) * D;
-            const int64_t off = kh * head_stride + slot[i] * D;
+            const int64_t off = slot[i] / block_size_ * block_stride + kh * head_stride + slot[i] % block_size_ * D;
             if (kv_bf16_) {
               kern.store_k_bf16(kr, (unsigned short*)k_[l].data_ptr() + off, D);
               kern.store_k_bf16(vr, (unsigned short*)v_[l].data_ptr() + off, D);
@@ -976,11 +979,13 @@ class NativeLlama {
           if (kv_bf16_) {
             const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
             const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, first, L, is_decode[i], scale, scores.data(), o);
+            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, block_stride, first, L, is_decode[i], scale,
+                             scores.data(), o);
           } else {
             const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
             const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, first, L, is_decode[i], scale, scores.data(), o);
+            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, block_stride, first, L, is_decode[i], scale,
+                            scores.data(), o);
           }
         }
       });
