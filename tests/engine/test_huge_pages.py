@@ -76,5 +76,5 @@ def test_populating_faults_pages_in_and_keeps_what_they_hold() -> None:
     t[: 1 << 20].fill_(7)  # written before: kept
     huge_pages.populate_in_background([(t[: 32 << 20], 32 << 20), (t[48 << 20 :], 1 << 20)]).join()
     assert _resident_mib(t, 0, 32 << 20) == 32 and _resident_mib(t, 48 << 20, 49 << 20) == 1
-    assert _resident_mib(t, 34 << 20, 46 << 20) == 0 and _resident_mib(t, 50 << 20, 64 << 20) == 0  # only what was asked
+    assert _resident_mib(t, 34 << 20, 46 << 20) == 0 and _resident_mib(t, 50 << 20, 64 << 20) == 0  # no more
     assert bool((t[: 1 << 20] == 7).all()) and not t[1 << 20 :].any()
