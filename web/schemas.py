@@ -353,10 +353,18 @@ def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
         first = max(errors, key=lambda e: len(e["loc"]))
         param = _param_from_loc(first["loc"])
         where = f"{param}: " if param else ""
-        got = f", got {first['input']!r}" if first["type"] == "literal_error" and isinstance(first["input"], str) else ""
-        raise APIError(400, f"{where}{first['msg']}{got}"[:500], param=param) from None
+        raise APIError(400, f"{where}{_error_message(first)}"[:500], param=param) from None
     request.check_supported()
     return request
+
+
+def _error_message(error: Any) -> str:
+    value = error.get("input")
+    if error["type"] == "literal_error" and isinstance(value, str):
+        return f"{error['msg']}, got {value!r}"
+    if error["type"] == "int_type" and isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        return "Input should be an integer within 64 bits"  # the JSON parser reads larger ones as floats
+    return error["msg"]
 
 
 # pydantic puts the member of a union it tried into `loc` ("str", "list[int]", ...): not part of the path.

@@ -92,6 +92,14 @@ def test_values_that_cannot_be_honoured_get_a_400_naming_the_parameter(
     assert http.post("/v1/completions", json=SHORT).status_code == 200
 
 
+@pytest.mark.parametrize("field", ["seed", "max_tokens"])
+def test_an_integer_past_64_bits_gets_a_400_that_says_so(http: httpx.Client, field: str) -> None:
+    body = json.dumps({**SHORT, field: 0}).replace(f'"{field}": 0', f'"{field}": {2**70}')
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == f"{field}: Input should be an integer within 64 bits"
+
+
 @pytest.mark.parametrize(
     "message, param, words",
     [
