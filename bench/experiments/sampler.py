@@ -1,9 +1,11 @@
-"""The sampler's two paths in one process, in turns: the native extension's `sample_rows` and the PyTorch path.
+"""The sampler's two paths in one process, in turns: the native extension's `sample_rows` / `argmax_rows` and the
+PyTorch path.
 
     python -m bench sampler [--vocab 49152,262144] [--rows 1,8,32] [--calls 200]
 
-Per vocabulary size, row count and parameter set (temperature 1; temperature 0.7 with top-p 0.9), the best time of
-`Sampler()(logits, rows)` on random logits (scale 3) over a few rounds of `--calls` calls, 2 threads as the server.
+Per vocabulary size, row count and parameter set (greedy; temperature 1; temperature 0.7 with top-p 0.9), the best
+time of `Sampler()(logits, rows)` on random logits (scale 3) over a few rounds of `--calls` calls, 2 threads as the
+server.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
-PARAMS = {"temperature 1": {"temperature": 1.0}, "temperature 0.7, top-p 0.9": {"temperature": 0.7, "top_p": 0.9}}
+PARAMS = {
+    "greedy": {"temperature": 0.0},
+    "temperature 1": {"temperature": 1.0},
+    "temperature 0.7, top-p 0.9": {"temperature": 0.7, "top_p": 0.9},
+}
 
 
 def sampling_row(**overrides: float):

@@ -8,7 +8,7 @@ import torch
 
 from engine import sampler as sampler_module
 from engine.batch import SamplingRow
-from engine.native import native_ops
+from engine.native import available_isas, native_ops, use_isa
 from engine.sampler import Sampler, apply_bans_, apply_penalties_, argmax_rows, row_seed, topk_rows
 
 
@@ -348,16 +348,29 @@ def test_shape_mismatch_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("vocab", [7, 256, 1000, 49152, 50257])
-def test_block_argmax_and_topk_match_torch(vocab: int) -> None:
+def test_block_argmax_and_topk_match_torch(vocab: int, monkeypatch) -> None:
     gen = torch.Generator().manual_seed(vocab)
-    x = torch.randn(5, vocab, generator=gen)
+    x = torch.randn(9, vocab, generator=gen)
     x[1, -1] = 100.0  # maximum in the short last block
     x[2] = 0.0  # all tied: the first index wins
     x[3, vocab // 2 :] = float("-inf")
-    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    x[4] = float("-inf")  # nothing finite: the first
+    x[5, [vocab // 3, vocab - 1]] = float("nan")  # a NaN is the maximum: its first one
+    x[6, -1] = float("inf")
+    x[7, [vocab // 2, vocab - 1]] = 50.0  # a tie between the body and the tail
+    expected = x.argmax(dim=-1).tolist()
+    ops = native_ops()
+    for isa in available_isas(ops) if ops is not None else []:  # the native pass, on every variant this CPU runs
+        use_isa(ops, isa)
+        try:
+            assert argmax_rows(x).tolist() == expected, isa
+        finally:
+            use_isa(ops, "best")
+    monkeypatch.setattr("engine.sampler._native_ops", lambda: None)
+    assert argmax_rows(x).tolist() == expected
     k = min(20, vocab)
-    values, ids = topk_rows(x[[0, 1, 3, 4]], k)
-    expected = x[[0, 1, 3, 4]].topk(k, dim=-1)
+    values, ids = topk_rows(x[[0, 1, 3, 8]], k)
+    expected = x[[0, 1, 3, 8]].topk(k, dim=-1)
     assert torch.equal(values, expected.values)
     assert torch.equal(ids, expected.indices)
 
