@@ -359,11 +359,12 @@ def test_block_argmax_and_topk_match_torch(vocab: int, monkeypatch) -> None:
     x[6, -1] = float("inf")
     x[7, [vocab // 2, vocab - 1]] = 50.0  # a tie between the body and the tail
     expected = x.argmax(dim=-1).tolist()
+    padded = torch.cat([x, torch.full((9, 5), 1e9)], dim=1)[:, :vocab]  # rows further apart than the vocabulary
     ops = native_ops()
     for isa in available_isas(ops) if ops is not None else []:  # the native pass, on every variant this CPU runs
         use_isa(ops, isa)
         try:
-            assert argmax_rows(x).tolist() == expected, isa
+            assert argmax_rows(x).tolist() == expected == argmax_rows(padded).tolist(), isa
         finally:
             use_isa(ops, "best")
     monkeypatch.setattr("engine.sampler._native_ops", lambda: None)

@@ -706,16 +706,20 @@ double read_stream(at::Tensor x) {
   return total;
 }
 
-// Greedy tokens of logits [R, V] float32: torch.argmax(logits, dim=-1) in one pass a row.
+// Greedy tokens of logits [R, V] float32: torch.argmax(logits, dim=-1) in one pass a row. Rows may lie further
+// apart than V (the first V columns of a model's padded vocabulary).
 at::Tensor argmax_rows(at::Tensor logits) {
-  check_f32(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.size(1) < (1 << 30), "argmax_rows: logits [R, V]");
-  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0 &&
+                  logits.size(1) < (1 << 30) && logits.stride(1) == 1 && logits.stride(0) >= logits.size(1),
+              "argmax_rows: logits [R, V] float32, each row contiguous");
+  const int64_t R = logits.size(0), V = logits.size(1), ld = logits.stride(0);
   at::Tensor tokens = at::empty({R}, at::kLong);
   const float* x = logits.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
   const Kernels& kern = kernels();
-  for (int64_t r = 0; r < R; r++) out[r] = kern.argmax_row(x + r * V, (int)V);  // ~5 us a row: no threads
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) out[r] = kern.argmax_row(x + r * ld, (int)V);
+  });
   return tokens;
 }
 
