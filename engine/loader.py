@@ -61,14 +61,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def _load(config: EngineConfig) -> LoadedModel:
     checkpoint = open_checkpoint(config.model, config.cache_path)
     ops = _native_ops(config)
-    # The weights pack on one core while the other builds the config: imports of transformers under the GIL (0.5 s;
-    # 1.8 s where header_cache has no entry yet); the packers run outside it (0.7-1 s on a 1B model).
+    # The weights pack on every core while this thread builds the config: imports of transformers under the GIL
+    # (0.5 s; 1.8 s where header_cache has no entry yet); the packers run outside it (0.3-1 s on a 1B model).
     num_threads = config.num_threads if config.num_threads > 0 else torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-pack") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-load") as pool:
             packs = ops is not None and _is_llama_family(checkpoint)
-            packing = pool.submit(pack_weights, ops, checkpoint.tensors) if packs else None
+            packing = pool.submit(pack_weights, ops, checkpoint.tensors, num_threads) if packs else None
             hf_config = checkpoint.hf_config
             model_class(hf_config)  # every architecture has an eager model (the reference): else a clear error here
             max_pos = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions"))

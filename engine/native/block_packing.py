@@ -10,6 +10,7 @@ quantiser's output seen so far.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
@@ -31,33 +32,57 @@ def _tiles(n: int, per_row: int, dtype: torch.dtype) -> torch.Tensor:
     return huge_pages.zeros((-(-n // TILE) * TILE * per_row,), dtype)
 
 
+def _joined_tiles(tensors: Sequence[StoredTensor], per_row: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One output for the tensors' rows joined along N, each tensor's padded to whole tiles (as packing.py's
+    pieces join), on huge pages; then each tensor's part of it, in order."""
+    rows = [-(-t.shape[0] // TILE) * TILE for t in tensors]
+    joined = huge_pages.zeros((sum(rows) * per_row,), dtype)
+    return [joined, *joined.split([r * per_row for r in rows])]
+
+
 def _blocks(tensor: StoredTensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.blocks())
 
 
-def q4_from_blocks(ops: ModuleType, tensor: StoredTensor) -> Q4Packed | None:
-    """A Q4_0 / Q4_1 / Q4_K tensor in the Q4 layout, as pack_q4_grid packs its grid, or None (see above)."""
-    n, k = tensor.shape
-    qs = _tiles(n, k // 2, torch.uint8)
-    if tensor.type_name == "Q4_K":
-        sc, m = _tiles(n, k // GROUP, torch.uint8), _tiles(n, k // GROUP, torch.uint8)
-        d, neg_dmin = _tiles(n, k // QK_K, torch.float32), _tiles(n, k // QK_K, torch.float32)
-        if not ops.pack_q4_k(_blocks(tensor), n, k, qs, sc, m, d, neg_dmin):
-            return None
+def _one_type(tensors: Sequence[StoredTensor]) -> tuple[str, int]:
+    type_name, k = tensors[0].type_name, tensors[0].shape[1]
+    if any(t.type_name != type_name or t.shape[1] != k for t in tensors):
+        raise ValueError("tensors packed into one run need one type and one K")
+    return type_name, k
+
+
+def q4_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q4Packed | None:
+    """Q4_0 / Q4_1 / Q4_K tensors of one type in the Q4 layout, joined along N (each packed straight into its rows
+    of the joined outputs), as pack_q4_grid packs their grids, or None (see above)."""
+    type_name, k = _one_type(tensors)
+    n = sum(t.shape[0] for t in tensors)
+    if type_name == "Q4_K":
+        outs = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in (
+            (k // 2, torch.uint8), (k // GROUP, torch.uint8), (k // GROUP, torch.uint8),
+            (k // QK_K, torch.float32), (k // QK_K, torch.float32))]  # fmt: skip
+        for i, t in enumerate(tensors):
+            if not ops.pack_q4_k(_blocks(t), t.shape[0], k, *(out[1 + i] for out in outs)):
+                return None
+        qs, sc, m, d, neg_dmin = (out[0] for out in outs)
         return Q4Packed(qs, sc, m, _EMPTY, n, d, neg_dmin)
-    scale, minv = _tiles(n, k // GROUP, torch.float16), _tiles(n, k // GROUP, torch.float16)
-    if not ops.pack_q4_legacy(_blocks(tensor), n, k, qs, scale, minv, tensor.type_name == "Q4_1"):
-        return None
+    outs = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in (
+        (k // 2, torch.uint8), (k // GROUP, torch.float16), (k // GROUP, torch.float16))]  # fmt: skip
+    for i, t in enumerate(tensors):
+        if not ops.pack_q4_legacy(_blocks(t), t.shape[0], k, *(out[1 + i] for out in outs), type_name == "Q4_1"):
+            return None
+    qs, scale, minv = (out[0] for out in outs)
     return Q4Packed(qs, scale, minv, _EMPTY, n)
 
 
-def q6_from_blocks(ops: ModuleType, tensor: StoredTensor) -> Q6Packed:
-    """A Q6_K tensor in the Q6 layout, as pack_q6_grid packs its grid."""
-    n, k = tensor.shape
-    qs, qh = _tiles(n, k // 2, torch.uint8), _tiles(n, k // 16, torch.int32)
-    sc, d = _tiles(n, k // 16, torch.int8), _tiles(n, k // QK_K, torch.float32)
-    ops.pack_q6_k(_blocks(tensor), n, k, qs, qh, sc, d)
-    return Q6Packed(qs, qh, sc, d, _EMPTY, n)
+def q6_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q6Packed:
+    """Q6_K tensors in the Q6 layout, joined along N as q4_from_blocks joins, as pack_q6_grid packs their grids."""
+    _, k = _one_type(tensors)
+    outs = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in (
+        (k // 2, torch.uint8), (k // 16, torch.int32), (k // 16, torch.int8), (k // QK_K, torch.float32))]  # fmt: skip
+    for i, t in enumerate(tensors):
+        ops.pack_q6_k(_blocks(t), t.shape[0], k, *(out[1 + i] for out in outs))
+    qs, qh, sc, d = (out[0] for out in outs)
+    return Q6Packed(qs, qh, sc, d, _EMPTY, sum(t.shape[0] for t in tensors))
 
 
 def q8_from_blocks(ops: ModuleType, tensor: StoredTensor) -> Q8Packed:

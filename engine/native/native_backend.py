@@ -13,6 +13,7 @@ blocks (block_packing.py); the rest in Python (packing.py's packers, the referen
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
@@ -149,24 +150,34 @@ def _layout_of(tensor: StoredTensor) -> str:
     return "q4"
 
 
-def _from_blocks(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q6Packed | None:
-    """The part packed in C++ straight from the file's blocks, where block_packing has its type and form."""
+def _from_blocks(ops: ModuleType, run: list[StoredTensor], plan: PackPlan) -> Q4Packed | Q6Packed | None:
+    """Parts of one type packed in C++ straight from the file's blocks into one joined output, where block_packing
+    has their type and form."""
     packed: Q4Packed | Q6Packed | None = None
-    if tensor.type_name in Q6_FROM_BLOCKS:
-        packed = q6_from_blocks(ops, tensor)
-    elif tensor.type_name in Q4_FROM_BLOCKS:
-        packed = q4_from_blocks(ops, tensor)
+    type_name = run[0].type_name
+    if type_name in Q6_FROM_BLOCKS:
+        packed = q6_from_blocks(ops, *run)
+    elif type_name in Q4_FROM_BLOCKS:
+        packed = q4_from_blocks(ops, *run)
     if packed is not None:
-        plan.note(tensor.type_name, "Q6" if isinstance(packed, Q6Packed) else "Q4", True)
+        plan.note(type_name, "Q6" if isinstance(packed, Q6Packed) else "Q4", True)
     return packed
 
 
-def _packed_part(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q8LayerPacked | Q6Packed:
-    """One tensor of a linear in its layout: from its blocks in C++, else packed chunk by chunk in Python, the
-    chunks' tiles joined."""
-    packed = _from_blocks(ops, tensor, plan)
-    if packed is not None:
-        return packed
+def _block_runs(parts: list[StoredTensor]) -> list[list[StoredTensor]]:
+    """Neighbouring parts of one type block_packing packs, in runs (a fused q/k of Q4_K: one), the rest alone."""
+    runs: list[list[StoredTensor]] = []
+    for t in parts:
+        joins = t.type_name in Q4_FROM_BLOCKS + Q6_FROM_BLOCKS
+        if joins and runs and runs[-1][-1].type_name == t.type_name:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
+def _packed_in_python(tensor: StoredTensor, plan: PackPlan) -> Q4Packed | Q8LayerPacked | Q6Packed:
+    """One tensor of a linear in its layout, packed chunk by chunk in Python, the chunks' tiles joined."""
     layout = _layout_of(tensor)
     if layout == "q6":
         return _joined(list(_q6_pieces(tensor, plan)), tensor.shape[0])
@@ -207,10 +218,13 @@ def _linear(ops: ModuleType, parts: list[StoredTensor], bias: list[StoredTensor]
             for t in parts:
                 plan.note(t.type_name, "Q4", False)
             return linear_spec(pack_q4(torch.cat([t.to_float() for t in parts]), b))
+        pieces: list[Q4Packed | Q8LayerPacked | Q6Packed] = []
+        for block_run in _block_runs(parts):
+            packed = _from_blocks(ops, block_run, plan)
+            pieces.extend([packed] if packed is not None else [_packed_in_python(t, plan) for t in block_run])
+            _released(block_run)
         runs: list[list[Q4Packed | Q8LayerPacked | Q6Packed]] = []
-        for t in parts:
-            packed = _packed_part(ops, t, plan)
-            t.release()
+        for packed in pieces:
             if runs and _can_join(runs[-1][-1], packed):
                 runs[-1].append(packed)
             else:
@@ -219,7 +233,7 @@ def _linear(ops: ModuleType, parts: list[StoredTensor], bias: list[StoredTensor]
         for run in runs:
             n = sum(p.n for p in run)
             run_bias = torch.empty(0) if b is None else b[n0 : n0 + n].contiguous()
-            # a part alone is on huge pages already (_packed_part): not copied again
+            # a piece alone is on huge pages already (a block run joined as it packed): not copied again
             joined.append(replace(run[0], bias=run_bias) if len(run) == 1 else _joined(run, n, run_bias))
             n0 += n
         return linear_spec(*joined)
@@ -283,14 +297,17 @@ def num_layers_of(tensors: Mapping[str, StoredTensor]) -> int:
     return sum(1 for name in tensors if name.startswith("model.layers.") and name.endswith(".input_layernorm.weight"))
 
 
-def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor]) -> PackedWeights:
-    """Every linear of a Llama-family checkpoint (its Hugging Face names) in its layout; each stored tensor is
-    released once packed."""
+def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor], num_threads: int = 1) -> PackedWeights:
+    """Every linear of a Llama-family checkpoint (its Hugging Face names) in its layout, the layers on num_threads
+    threads (the packers release the GIL; most of a first load's time is the kernel faulting in fresh pages,
+    which threads share out); each stored tensor is released once packed."""
     plan = PackPlan()
-    embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
-    head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
-    layers = [_layer_linears(ops, tensors, f"model.layers.{i}.", plan) for i in range(num_layers_of(tensors))]
-    return PackedWeights(embed, head, layers, plan)
+    with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sluice-pack") as pool:
+        prefixes = [f"model.layers.{i}." for i in range(num_layers_of(tensors))]
+        layers = pool.map(lambda prefix: _layer_linears(ops, tensors, prefix, plan), prefixes)
+        embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
+        head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
+        return PackedWeights(embed, head, list(layers), plan)
 
 
 def _layer_linears(ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str, plan: PackPlan) -> LayerLinears:

@@ -1,5 +1,6 @@
-"""The loader packs the weights in a worker thread while it builds the config and tokenizer: the weights it hands
-over are those packed in order, and a Llama-family model the native step cannot run still loads, on the eager path."""
+"""The loader packs the weights in worker threads (the layers shared out among them) while it builds the config and
+tokenizer: the weights it hands over are those packed in order on one thread, and a Llama-family model the native
+step cannot run still loads, on the eager path."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.support.tiny_models import save_tiny_llama
 def test_weights_packed_ahead_give_the_bits_of_weights_packed_in_order(tiny_llama_dir: Path) -> None:
     ops = native_ops()
     assert ops is not None, "the native step is built by `make install`"
-    config = EngineConfig(model=str(tiny_llama_dir))
+    config = EngineConfig(model=str(tiny_llama_dir), num_threads=2)
     ahead = load_model(config).backend
     checkpoint = open_checkpoint(str(tiny_llama_dir))
     in_order = NativeBackend(ops, checkpoint.hf_config, checkpoint.tensors, 512, config.precision)

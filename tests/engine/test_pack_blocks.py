@@ -111,6 +111,25 @@ def test_q8_from_blocks_is_pack_q8_grid(make_blocks) -> None:
         assert_same_bytes(q8_from_blocks(ops, tensor), reference)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_tensors_of_one_type_pack_joined_as_their_pieces_join(type_name: str) -> None:
+    """A fused q/k or gate/up of one type packs straight into one output: the bytes of each part packed alone,
+    joined as packing.py joins pieces (each part's tiles in turn), the last part's rows padded to a whole tile."""
+    rng = np.random.default_rng(16)
+    k = 512
+    parts = [stored(type_name, random_blocks(rng, type_name, n, k), n, k) for n in (48, 16, 7)]
+    pack = q6_from_blocks if type_name == "Q6_K" else q4_from_blocks
+    alone = [pack(ops, t) for t in parts]
+    joined = pack(ops, *parts)
+    assert joined.n == 48 + 16 + 7
+    for field in joined.__dataclass_fields__:
+        if isinstance(getattr(joined, field), torch.Tensor) and getattr(joined, field).numel():
+            expected = torch.cat([getattr(p, field) for p in alone])
+            assert torch.equal(getattr(joined, field).view(torch.uint8), expected.view(torch.uint8)), field
+    with pytest.raises(ValueError, match="one type and one K"):
+        pack(ops, parts[0], stored(type_name, random_blocks(rng, type_name, 16, 256), 16, 256))
+
+
 def test_blocks_of_the_wrong_size_are_refused() -> None:
     rng = np.random.default_rng(15)
     tensor = stored("Q6_K", random_blocks(rng, "Q6_K", 16, 256), 16, 512)
