@@ -55,9 +55,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         kv_capacity = config.num_kv_blocks * config.block_size
         self.max_model_len = min(config.max_model_len, loaded.max_position_embeddings, kv_capacity)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids, config.max_num_seqs
-        )
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+                                              config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
         self.runner.warmup()

@@ -47,6 +47,7 @@ class LoadedModel:
     vocab_size: int
     dtype: torch.dtype
     kv_pool: KVPool | None  # allocated for the config's geometry; the model runner takes it
+    longest_token_chars: int | None = None  # the vocabulary's longest string, where the checkpoint counts it
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -93,7 +94,7 @@ def _load(config: EngineConfig) -> LoadedModel:
         token_id = tokenizer.convert_tokens_to_ids(token)
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             eos.add(token_id)
-    path = checkpoint.path
+    path, longest_token_chars = checkpoint.path, checkpoint.longest_token_chars()
     del checkpoint  # unmaps the file: the backend holds its own packed copies
     return LoadedModel(
         backend=backend,
@@ -106,6 +107,7 @@ def _load(config: EngineConfig) -> LoadedModel:
         vocab_size=int(hf_config.vocab_size),
         dtype=dtype,
         kv_pool=kv_pool,
+        longest_token_chars=longest_token_chars,
     )
 
 

@@ -80,6 +80,9 @@ class FolderCheckpoint:
 
         return AutoTokenizer.from_pretrained(self.path)
 
+    def longest_token_chars(self) -> int | None:
+        return None  # counted from the tokenizer's vocabulary
+
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
 

@@ -63,9 +63,15 @@ class TensorInfo:
 _VALUE_FORMATS = {0: "B", 1: "b", 7: "?", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
 
 
+class StringArray(int):
+    """A metadata array of strings (a vocabulary, a merge table) as its length (the tokenizer's conversion reads the
+    strings themselves), and the byte length of its longest string."""
+
+    longest: int
+
+
 def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
-    """One metadata value and the offset past it; an array of strings (a vocabulary, a merge table) is given as
-    its length only: the tokenizer's conversion reads those itself."""
+    """One metadata value and the offset past it; an array of strings as a StringArray."""
     if value_type in _VALUE_FORMATS:
         fmt = "<" + _VALUE_FORMATS[value_type]
         return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
@@ -79,9 +85,14 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
             return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
         if element_type != 8:
             raise ValueError(f"a metadata array of type {element_type}")
+        strings, longest, length_at = StringArray(count), 0, struct.Struct("<Q").unpack_from
         for _ in range(count):
-            pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
-        return count, pos
+            (length,) = length_at(blob, pos)
+            pos += 8 + length
+            if length > longest:
+                longest = length
+        strings.longest = longest
+        return strings, pos
     raise ValueError(f"unknown GGUF metadata value type {value_type}")
 
 
@@ -205,6 +216,12 @@ class GGUFCheckpoint:
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
         return backend, {**tokenizer_config, **extra}
+
+    def longest_token_chars(self) -> int | None:
+        """At least the characters of the vocabulary's longest string (transformers' conversion keeps the file's
+        strings): its UTF-8 bytes."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        return tokens.longest if isinstance(tokens, StringArray) else None
 
     def eos_token_ids(self) -> set[int]:
         eos = self.metadata.get("tokenizer.ggml.eos_token_id")

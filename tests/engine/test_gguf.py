@@ -143,3 +143,25 @@ def test_a_truncated_file_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
     cut.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(ValueError, match="cut.gguf is truncated: tensor '.+' ends at byte"):
         open_checkpoint(str(cut))
+
+
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_the_headers_longest_token_bounds_the_tokenizers(which: str) -> None:
+    """The prompt check's characters per token come from the header (its longest string's bytes) instead of
+    walking the converted vocabulary: never fewer than the vocabulary's longest string has characters."""
+    from engine.checkpoint.gguf_file import StringArray
+    from engine.checkpoint.source import default_gguf_path
+    from engine.input_processor import InputProcessor
+    from engine.models.packaged import gemma3_270m_gguf
+
+    config = EngineConfig()
+    path = default_gguf_path() if which == "default" else gemma3_270m_gguf(config.cache_path)
+    checkpoint = open_checkpoint(str(path), config.cache_path)
+    tokens = checkpoint.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, StringArray) and tokens == checkpoint.hf_config.vocab_size  # still the count
+    tokenizer = checkpoint.tokenizer()
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    assert longest <= checkpoint.longest_token_chars() <= 4 * longest
+    processor = InputProcessor(tokenizer, len(tokenizer), 128, (), 4, checkpoint.longest_token_chars())
+    assert processor.max_prompt_chars == 128 * checkpoint.longest_token_chars()
+    assert InputProcessor(tokenizer, len(tokenizer), 128).max_prompt_chars == 128 * longest
