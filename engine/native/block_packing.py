@@ -45,9 +45,12 @@ def _blocks(tensor: StoredTensor) -> np.ndarray:
 
 
 def _one_type(tensors: Sequence[StoredTensor]) -> tuple[str, int]:
+    """The run's type and K; every part but the last a whole number of tiles (the rows of a joined output follow on)."""
     type_name, k = tensors[0].type_name, tensors[0].shape[1]
     if any(t.type_name != type_name or t.shape[1] != k for t in tensors):
         raise ValueError("tensors packed into one run need one type and one K")
+    if any(t.shape[0] % TILE for t in tensors[:-1]):
+        raise ValueError(f"tensors packed into one run need whole tiles of {TILE} rows but the last")
     return type_name, k
 
 

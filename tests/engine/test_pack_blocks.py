@@ -128,6 +128,8 @@ def test_tensors_of_one_type_pack_joined_as_their_pieces_join(type_name: str) ->
             assert torch.equal(getattr(joined, field).view(torch.uint8), expected.view(torch.uint8)), field
     with pytest.raises(ValueError, match="one type and one K"):
         pack(ops, parts[0], stored(type_name, random_blocks(rng, type_name, 16, 256), 16, 256))
+    with pytest.raises(ValueError, match="whole tiles"):
+        pack(ops, parts[2], parts[0])
 
 
 def test_blocks_of_the_wrong_size_are_refused() -> None:
