@@ -4,7 +4,8 @@ Each round starts Sluice with an empty cache folder of its own (a first start: t
 built and kept), again on that folder (a later start), and llama-server with each `--llama-parallel` slot count
 (its context 2048 tokens a slot), one server at a time. A server is ready when it answers 200 (bench.servers'
 wait_ready, polling every 10 ms); then one completion (a 150-token prompt, 8 tokens) is timed, as the first request
-a user would wait on. Prints each start and the median of each kind.
+a user would wait on. Each round also times a process that only imports what a start imports (the part of a start
+that no loading can shorten). Prints each start, the median of each kind and the ratios to llama-server's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +28,10 @@ from bench.client import Target, discover_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 15
 POLL_SECONDS = 0.01
+# What a later start imports before it can answer (the server, the app, the engine and torch, transformers' config
+# and tokenizer), with the collector off as web.asgi.build_host runs them.
+START_IMPORTS = ("import gc; gc.disable(); import web.server, web.app, engine.llm_engine, "
+                 "transformers.configuration_utils; from transformers import PreTrainedTokenizerFast")  # fmt: skip
 
 
 async def _ready_and_first_request(server: servers.ManagedServer, timeout: float) -> tuple[float, float]:
@@ -49,6 +55,13 @@ def time_start(name: str, command: list[str], port: int, timeout: float, log_dir
         servers.stop(server)
 
 
+def time_imports() -> float:
+    """Seconds a process takes to do only START_IMPORTS and exit."""
+    begin = time.monotonic()
+    subprocess.run([sys.executable, "-c", START_IMPORTS], cwd=servers.REPO_ROOT, check=True)
+    return time.monotonic() - begin
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench ready", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sluice-model", default="", help="a GGUF or Hugging Face folder (default: the default model)")
@@ -66,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.setdefault(kind, []).append(time_start(name, command, port, args.timeout, log_dir))
         print(f"{kind}: ready {results[kind][-1][0]:.2f} s, first request {results[kind][-1][1]:.3f} s")
 
+    imports: list[float] = []
     for _ in range(args.rounds):
+        imports.append(time_imports())
+        print(f"sluice's imports alone: {imports[-1]:.2f} s")
         cache = Path(tempfile.mkdtemp(prefix="bench-ready-cache-"))
         try:
             for kind in ("sluice, first start", "sluice, later start"):
@@ -80,10 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = llama_peer.llama_command(args.llama_server, args.sluice_model, port, parallel)
             measure(f"llama-server, {parallel} slots", "llama", command, port)
     print(f"\nmedians of {args.rounds} rounds ({Path(args.sluice_model).name or 'the default model'}):")
+    medians = {kind: statistics.median(r for r, _ in runs) for kind, runs in results.items()}
     for kind, runs in results.items():
-        ready = statistics.median(r for r, _ in runs)
         first = statistics.median(f for _, f in runs)
-        print(f"  {kind:<28} ready {ready:6.2f} s   first request {first:6.3f} s")
+        print(f"  {kind:<28} ready {medians[kind]:6.2f} s   first request {first:6.3f} s")
+    floor = statistics.median(imports)
+    print(f"  {'sluice, imports alone':<28} ready {floor:6.2f} s")
+    for kind in [k for k in medians if k.startswith("llama-server")]:
+        print(f"  later start / {kind}: {medians['sluice, later start'] / medians[kind]:.2f}x "
+              f"(the imports alone: {floor / medians[kind]:.2f}x)")  # fmt: skip
     return 0
 
 

@@ -19,6 +19,8 @@ def test_the_ready_benchmark_starts_sluice_twice_a_round_and_reports_medians(
     assert [kind for kind, *_ in starts] == ["sluice, first start", "sluice, later start"]
     assert all(float(t) > 0 for _, *times in starts for t in times)
     assert "medians of 1 rounds" in printed
+    imports = re.findall(r"^sluice's imports alone: ([\d.]+) s$", printed, re.MULTILINE)
+    assert len(imports) == 1 and 0 < float(imports[0]) < float(starts[1][1])  # a start does more than import
 
 
 def test_llama_server_needs_a_gguf() -> None:
