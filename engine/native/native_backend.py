@@ -302,12 +302,14 @@ def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor], num_threa
     threads (the packers release the GIL; most of a first load's time is the kernel faulting in fresh pages,
     which threads share out); each stored tensor is released once packed."""
     plan = PackPlan()
+    # The embedding and head first, alone: a head re-quantised in Python holds its pieces and their join at once
+    # (~2x its size), which beside the layers' packing would add to the load's peak (+100 MiB on a 2048-wide one).
+    embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
+    head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sluice-pack") as pool:
         prefixes = [f"model.layers.{i}." for i in range(num_layers_of(tensors))]
-        layers = pool.map(lambda prefix: _layer_linears(ops, tensors, prefix, plan), prefixes)
-        embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
-        head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
-        return PackedWeights(embed, head, list(layers), plan)
+        layers = list(pool.map(lambda prefix: _layer_linears(ops, tensors, prefix, plan), prefixes))
+    return PackedWeights(embed, head, layers, plan)
 
 
 def _layer_linears(ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str, plan: PackPlan) -> LayerLinears:
