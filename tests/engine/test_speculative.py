@@ -285,7 +285,9 @@ def test_an_auto_engine_learns_its_step_cost_and_keeps_the_output(tiny_llama_dir
     off, _ = llms
     auto = make_llm(tiny_llama_dir, speculative="auto")
     cost = auto.engine.speculator.cost
-    assert cost.fixed > 0 and cost.per_row >= 0 and 0 < cost.break_even(1, 1) <= 1  # probed at load
+    # probed at load: the seconds of real steps, no longer the pessimistic 1 s a step and a row (a tiny model's
+    # extra rows can cost nothing measurable: per_row may be 0, so break-even too)
+    assert 0 <= cost.fixed < 1 and 0 <= cost.per_row < 1 and 0 <= cost.break_even(1, 1) <= 1
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in _run(auto, PROMPTS, params)] == [o.token_ids for o in _run(off, PROMPTS, params)]
     assert_pool_full(auto)
