@@ -263,9 +263,16 @@ def _q8_matrix(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q8Packe
         if tensor.type_name in Q8_FROM_BLOCKS:
             plan.note(tensor.type_name, "Q8", True)
             return q8_from_blocks(ops, tensor)
-        pieces = list(_q8_pieces(tensor, plan))
-        qs, scale = huge_pages.cat([p.qs for p in pieces]), huge_pages.cat([p.scale for p in pieces])
-        return Q8Packed(qs, scale, tensor.shape[0])
+        # each chunk's tiles written into the whole outputs as it comes: never all pieces and their join at once
+        n, k = tensor.shape
+        padded = -(-n // TILE) * TILE
+        qs, scale = huge_pages.zeros((padded * k,), torch.int8), huge_pages.zeros((padded * k // GROUP,), torch.float16)
+        at_q = at_s = 0
+        for piece in _q8_pieces(tensor, plan):
+            qs[at_q : at_q + piece.qs.numel()] = piece.qs
+            scale[at_s : at_s + piece.scale.numel()] = piece.scale
+            at_q, at_s = at_q + piece.qs.numel(), at_s + piece.scale.numel()
+        return Q8Packed(qs, scale, n)
     finally:
         tensor.release()
 
@@ -302,14 +309,12 @@ def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor], num_threa
     threads (the packers release the GIL; most of a first load's time is the kernel faulting in fresh pages,
     which threads share out); each stored tensor is released once packed."""
     plan = PackPlan()
-    # The embedding and head first, alone: a head re-quantised in Python holds its pieces and their join at once
-    # (~2x its size), which beside the layers' packing would add to the load's peak (+100 MiB on a 2048-wide one).
-    embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
-    head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sluice-pack") as pool:
         prefixes = [f"model.layers.{i}." for i in range(num_layers_of(tensors))]
-        layers = list(pool.map(lambda prefix: _layer_linears(ops, tensors, prefix, plan), prefixes))
-    return PackedWeights(embed, head, layers, plan)
+        layers = pool.map(lambda prefix: _layer_linears(ops, tensors, prefix, plan), prefixes)
+        embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
+        head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
+        return PackedWeights(embed, head, list(layers), plan)
 
 
 def _layer_linears(ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str, plan: PackPlan) -> LayerLinears:

@@ -137,3 +137,14 @@ def test_blocks_of_the_wrong_size_are_refused() -> None:
     tensor = stored("Q6_K", random_blocks(rng, "Q6_K", 16, 256), 16, 512)
     with pytest.raises(RuntimeError, match="rows of"):
         q6_from_blocks(ops, tensor)
+
+
+def test_a_matrix_packed_in_python_chunk_by_chunk_is_the_whole_matrix_packed_at_once() -> None:
+    """A head re-quantised onto Q8 (a float or K-quant one) is packed PACK_ROWS rows at a time, each chunk's tiles
+    written into the whole outputs as it comes: the bytes of pack_q8 on the whole matrix."""
+    from engine.native.native_backend import PackPlan, _q8_matrix
+    from engine.native.packing import PACK_ROWS, pack_q8
+
+    w = torch.randn(2 * PACK_ROWS + 48, 128, generator=torch.Generator().manual_seed(17))
+    packed = _q8_matrix(ops, StoredTensor(tuple(w.shape), "F32", lambda: w.numpy()), PackPlan())
+    assert_same_bytes(packed, pack_q8(w))
