@@ -234,7 +234,7 @@ def build_host(config: SluiceConfig) -> SluiceASGI:
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     limit_arenas()
-    # Until the engine has started (_run_engine): the imports of torch and transformers and the load make ~10^6
+    # Until the engine has started (_run_engine): the imports of torch and transformers and the load make ~300,000
     # objects that live as long as the process, and the collector walked them again and again as they grew
     # (0.4-0.5 s of a 2.5 s start); the start ends with one collection and a freeze.
     gc.disable()

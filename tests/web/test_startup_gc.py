@@ -1,4 +1,4 @@
-"""The start runs without the cyclic collector (the imports and the load make ~10^6 objects that live as long as the
+"""The start runs without the cyclic collector (the imports and the load make ~300,000 objects that live as long as the
 process, and the collector walked them again and again as they grew) and ends with it back on, everything loaded
 frozen out of its sight. In a process of its own: the test process's collector is left alone."""
 
