@@ -240,7 +240,11 @@ def build_host(config: SluiceConfig) -> SluiceASGI:
     gc.disable()
     engine = build_engine(config)
     server = config.server
-    return SluiceASGI(engine, create_app(engine, server), server.drain_timeout, server.graceful_timeout)
+    host = SluiceASGI(engine, create_app(engine, server), server.drain_timeout, server.graceful_timeout)
+    # The imports so far (~200,000 objects) are frozen now, so that the start's closing collection walks only what
+    # the load made (0.13 -> 0.03 s). Their garbage is frozen with them: ~7,000 objects, 0.75 MB, once.
+    gc.freeze()
+    return host
 
 
 def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
