@@ -59,7 +59,6 @@ class LLMEngine:
                                               config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
-        self.runner.warmup()
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(config.speculative_config, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.speculator)

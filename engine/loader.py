@@ -26,6 +26,7 @@ from engine.models.chat_templates import chat_format
 from engine.models.registry import model_class
 from engine.native.native_backend import NativeBackend, PackedWeights, pack_weights, unsupported_reason
 from engine.step_backend import StepBackend
+from engine.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ def _load(config: EngineConfig) -> LoadedModel:
         backend = build_eager(checkpoint, config, dtype)
     # its first pages fault in while the tokenizer is built (Python under the GIL: ~0.4 s for a 128k vocabulary)
     kv_pool = KVPool.allocate(backend, config.num_kv_blocks, config.block_size, dtype)
-    tokenizer = checkpoint.tokenizer()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-warm") as pool:
+        warming = pool.submit(warm_up, backend, kv_pool, config.block_size)  # native steps: beside the tokenizer
+        tokenizer = checkpoint.tokenizer()
+        warming.result()
     fmt = chat_format(getattr(hf_config, "model_type", ""))
     if not tokenizer.chat_template and fmt is not None:
         log.info("the model carries no chat template: using %s's own", hf_config.model_type)

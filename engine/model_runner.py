@@ -13,7 +13,7 @@ import torch
 
 from engine.batch import SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
 from engine.config import EngineConfig
-from engine.kv_pool import KVPool, layer_shape
+from engine.kv_pool import KVPool
 from engine.loader import LoadedModel
 from engine.sampler import token_logprobs
 
@@ -83,21 +83,3 @@ class ModelRunner:
                 logits = self.backend.compute_logits(rows)[:, : self.vocab_size].float()
                 scored += token_logprobs(logits, torch.tensor(targets), [scoring.num_top] * len(targets))
         return scores
-
-    def warmup(self) -> None:
-        """Run a prefill and a decode step so the first request is not slow, on a KV cache of their own: writing
-        the pool's first blocks would fault in their huge pages, which KVPool does without holding up the start."""
-        blocks = [0, 1]
-        n = min(2 * self.block_size - 1, 16)
-        shape = layer_shape(self.backend, len(blocks), self.block_size)
-        caches = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.backend.num_layers)]
-        self.backend.bind_kv_caches(caches[::2], caches[1::2])
-        prefill = SeqChunk(seq_id=-1, token_ids=[0] * n, start_pos=0, block_table=blocks, sampling=None)
-        decode = SeqChunk(seq_id=-1, token_ids=[0], start_pos=n, block_table=blocks, sampling=None)
-        try:
-            with torch.inference_mode():
-                for batch in (StepBatch([prefill]), StepBatch([decode])):
-                    step = self.backend.forward(batch)
-                    self.backend.compute_logits(step.hidden[-1:])
-        finally:
-            self.backend.bind_kv_caches(self.k_caches, self.v_caches)  # the pool, without the warm-up's stage

@@ -50,10 +50,15 @@ def test_batch_without_sampling_returns_nothing(tiny_llama_dir: Path) -> None:
     assert runner.run(StepBatch([SeqChunk(0, [1, 2, 3, 4, 5], 0, [3, 1], None)])).sampled == []
 
 
-def test_warmup_and_default_sampler(tiny_llama_dir: Path) -> None:
+def test_warm_up_and_default_sampler(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK_SIZE, num_kv_blocks=8)
+    forwards: list[list[int]] = []
+    backend_class = type(load_model(config).backend)
+    forward = backend_class.forward
+    monkeypatch.setattr(backend_class, "forward",
+                        lambda self, batch: forwards.append([len(c.token_ids) for c in batch.chunks]) or forward(self, batch))  # fmt: skip
     runner = ModelRunner(load_model(config), config)
-    runner.warmup()
+    assert forwards == [[min(2 * BLOCK_SIZE - 1, 16)], [1]]  # the load warmed the backend: a prefill, then a decode
     # on a cache of its own: the pool's pages are not written (populate_in_background faults them in meanwhile)
     assert not any(cache.any() for cache in runner.k_caches + runner.v_caches)
     assert (runner.num_kv_blocks, runner.block_size) == (8, BLOCK_SIZE)
