@@ -85,8 +85,9 @@ def _load(config: EngineConfig) -> LoadedModel:
         backend = build_eager(checkpoint, config, dtype)
     # its first pages fault in while the tokenizer is built (Python under the GIL: ~0.4 s for a 128k vocabulary)
     kv_pool = KVPool.allocate(backend, config.num_kv_blocks, config.block_size, dtype)
+    # The warm-up's steps run outside the GIL and the tokenizer's build inside it: side by side they overlap.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-warm") as pool:
-        warming = pool.submit(warm_up, backend, kv_pool, config.block_size)  # native steps: beside the tokenizer
+        warming = pool.submit(warm_up, backend, kv_pool, config.block_size)
         tokenizer = checkpoint.tokenizer()
         warming.result()
     fmt = chat_format(getattr(hf_config, "model_type", ""))
