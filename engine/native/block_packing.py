@@ -10,7 +10,7 @@ quantiser's output seen so far.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -54,37 +54,46 @@ def _one_type(tensors: Sequence[StoredTensor]) -> tuple[str, int]:
     return type_name, k
 
 
+def _packed_joined(tensors: Sequence[StoredTensor], outputs: Sequence[tuple[int, torch.dtype]],
+                   pack: Callable[..., bool]) -> list[torch.Tensor] | None:
+    """The joined outputs (per_row, dtype each), every tensor packed by pack(its blocks, its rows, K, its parts of
+    the outputs) straight into its rows; None as soon as pack refuses one."""
+    joined = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in outputs]
+    for i, t in enumerate(tensors):
+        if not pack(_blocks(t), t.shape[0], t.shape[1], *(out[1 + i] for out in joined)):
+            return None
+    return [out[0] for out in joined]
+
+
 def q4_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q4Packed | None:
     """Q4_0 / Q4_1 / Q4_K tensors of one type in the Q4 layout, joined along N (each packed straight into its rows
     of the joined outputs), as pack_q4_grid packs their grids, or None (see above)."""
     type_name, k = _one_type(tensors)
     n = sum(t.shape[0] for t in tensors)
     if type_name == "Q4_K":
-        outs = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in (
-            (k // 2, torch.uint8), (k // GROUP, torch.uint8), (k // GROUP, torch.uint8),
-            (k // QK_K, torch.float32), (k // QK_K, torch.float32))]  # fmt: skip
-        for i, t in enumerate(tensors):
-            if not ops.pack_q4_k(_blocks(t), t.shape[0], k, *(out[1 + i] for out in outs)):
-                return None
-        qs, sc, m, d, neg_dmin = (out[0] for out in outs)
-        return Q4Packed(qs, sc, m, _EMPTY, n, d, neg_dmin)
-    outs = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in (
-        (k // 2, torch.uint8), (k // GROUP, torch.float16), (k // GROUP, torch.float16))]  # fmt: skip
-    for i, t in enumerate(tensors):
-        if not ops.pack_q4_legacy(_blocks(t), t.shape[0], k, *(out[1 + i] for out in outs), type_name == "Q4_1"):
+        outputs = [(k // 2, torch.uint8), (k // GROUP, torch.uint8), (k // GROUP, torch.uint8),
+                   (k // QK_K, torch.float32), (k // QK_K, torch.float32)]  # fmt: skip
+        packed = _packed_joined(tensors, outputs, ops.pack_q4_k)
+        if packed is None:
             return None
-    qs, scale, minv = (out[0] for out in outs)
+        qs, sc, m, d, neg_dmin = packed
+        return Q4Packed(qs, sc, m, _EMPTY, n, d, neg_dmin)
+    has_min = type_name == "Q4_1"
+    outputs = [(k // 2, torch.uint8), (k // GROUP, torch.float16), (k // GROUP, torch.float16)]
+    packed = _packed_joined(tensors, outputs, lambda *args: ops.pack_q4_legacy(*args, has_min))
+    if packed is None:
+        return None
+    qs, scale, minv = packed
     return Q4Packed(qs, scale, minv, _EMPTY, n)
 
 
 def q6_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q6Packed:
     """Q6_K tensors in the Q6 layout, joined along N as q4_from_blocks joins, as pack_q6_grid packs their grids."""
     _, k = _one_type(tensors)
-    outs = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in (
-        (k // 2, torch.uint8), (k // 16, torch.int32), (k // 16, torch.int8), (k // QK_K, torch.float32))]  # fmt: skip
-    for i, t in enumerate(tensors):
-        ops.pack_q6_k(_blocks(t), t.shape[0], k, *(out[1 + i] for out in outs))
-    qs, qh, sc, d = (out[0] for out in outs)
+    outputs = [(k // 2, torch.uint8), (k // 16, torch.int32), (k // 16, torch.int8), (k // QK_K, torch.float32)]
+    packed = _packed_joined(tensors, outputs, lambda *args: ops.pack_q6_k(*args) or True)  # every Q6_K packs
+    assert packed is not None
+    qs, qh, sc, d = packed
     return Q6Packed(qs, qh, sc, d, _EMPTY, sum(t.shape[0] for t in tensors))
 
 
