@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -412,14 +413,31 @@ void check_f16(const at::Tensor& t, const char* what) {
 
 const unsigned short* half_bits(const at::Tensor& t) { return (const unsigned short*)t.data_ptr<at::Half>(); }
 
+// A step's scratch array: every element is written before it is read, so it is not zero-filled as a std::vector
+// would be (that memset was ~1-4% of a step's samples).
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(size_t n = 0) : data_(n ? new T[n] : nullptr), size_(n) {}
+  T* data() { return data_.get(); }
+  const T* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  size_t size_;
+};
+
 // The rows of a linear's input, each quantised once per group of 32, to int16 steps (precision "exact") or int8
 // steps (is_int8: llama.cpp's activations), with their group scales and sums; `bytes` also packs the int8 values
 // for the kernels that multiply bytes (pack_x8), `sums16` adds the integer sum of each 16 (the Q6 layout's).
 struct QuantizedRows {
-  std::vector<short> xq;
-  std::vector<signed char> x8;
-  std::vector<float> sx, xsum;
-  std::vector<int> xsum16;
+  Scratch<short> xq;
+  Scratch<signed char> x8;
+  Scratch<float> sx, xsum;
+  Scratch<int> xsum16;
 
   QuantizedRows(const float* x, long ldx, int M, int K, bool is_int8, bool bytes, bool sums16 = false)
       : xq((size_t)M * K), x8(bytes ? (size_t)M * K : 0), sx((size_t)M * (K / 32)), xsum(sx.size()),
@@ -622,7 +640,7 @@ struct Q8Matrix {
     const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    std::vector<unsigned char> xu(is_int8 ? rows.xq.size() : 0);
+    Scratch<unsigned char> xu(is_int8 ? rows.xq.size() : 0);
     for (size_t i = 0; i < xu.size(); i++) xu[i] = (unsigned char)(rows.xq[i] + 128);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
@@ -920,8 +938,8 @@ class NativeLlama {
     const int H = H_, I = I_, D = D_, QKV = (heads_ + 2 * kv_heads_) * D_, G = heads_ / kv_heads_;
     at::Tensor hidden = at::empty({T, (int64_t)H}, at::kFloat);
     float* h = hidden.data_ptr<float>();
-    std::vector<float> xn((size_t)T * std::max(H, heads_ * D)), qkv((size_t)T * QKV),
-        attn((size_t)T * heads_ * D), out((size_t)T * H), gu((size_t)T * 2 * I), act((size_t)T * I);
+    Scratch<float> xn((size_t)T * std::max(H, heads_ * D)), qkv((size_t)T * QKV), attn((size_t)T * heads_ * D),
+        out((size_t)T * H), gu((size_t)T * 2 * I), act((size_t)T * I);
     int64_t max_len = 0;
     for (int64_t i = 0; i < T; i++) max_len = std::max(max_len, pos[i] + 1);
     std::vector<int> seq_tokens(num_seqs, 0);
