@@ -55,12 +55,13 @@ def _one_type(tensors: Sequence[StoredTensor]) -> tuple[str, int]:
 
 
 def _packed_joined(tensors: Sequence[StoredTensor], outputs: Sequence[tuple[int, torch.dtype]],
-                   pack: Callable[..., bool]) -> list[torch.Tensor] | None:
+                   pack: Callable[..., bool | None]) -> list[torch.Tensor] | None:
     """The joined outputs (per_row, dtype each), every tensor packed by pack(its blocks, its rows, K, its parts of
-    the outputs) straight into its rows; None as soon as pack refuses one."""
+    the outputs) straight into its rows; None as soon as pack refuses one (returns False; a packer that never
+    refuses returns nothing)."""
     joined = [_joined_tiles(tensors, per_row, dtype) for per_row, dtype in outputs]
     for i, t in enumerate(tensors):
-        if not pack(_blocks(t), t.shape[0], t.shape[1], *(out[1 + i] for out in joined)):
+        if pack(_blocks(t), t.shape[0], t.shape[1], *(out[1 + i] for out in joined)) is False:
             return None
     return [out[0] for out in joined]
 
@@ -91,9 +92,7 @@ def q6_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q6Packed:
     """Q6_K tensors in the Q6 layout, joined along N as q4_from_blocks joins, as pack_q6_grid packs their grids."""
     _, k = _one_type(tensors)
     outputs = [(k // 2, torch.uint8), (k // 16, torch.int32), (k // 16, torch.int8), (k // QK_K, torch.float32)]
-    packed = _packed_joined(tensors, outputs, lambda *args: ops.pack_q6_k(*args) or True)  # every Q6_K packs
-    assert packed is not None
-    qs, qh, sc, d = packed
+    qs, qh, sc, d = _packed_joined(tensors, outputs, ops.pack_q6_k)  # every Q6_K packs
     return Q6Packed(qs, qh, sc, d, _EMPTY, sum(t.shape[0] for t in tensors))
 
 
