@@ -116,7 +116,7 @@ class InputProcessor:
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
             raise InvalidRequest(
-                f"the {param} has {num_chars} characters: more than the {self.max_model_len}-token context "
+                f"{_subject(param)} {num_chars} characters: more than the {self.max_model_len}-token context "
                 f"(max_model_len) can hold",
                 param=param,
             )
@@ -130,7 +130,7 @@ class InputProcessor:
     def _check_num_tokens(self, num_prompt: int, param: str) -> None:
         if num_prompt >= self.max_model_len:
             raise InvalidRequest(
-                f"the {param} has {num_prompt} tokens, but the context length (max_model_len) is "
+                f"{_subject(param)} {num_prompt} tokens, but the context length (max_model_len) is "
                 f"{self.max_model_len}: at least one token must be left for the output",
                 param=param,
             )
@@ -178,3 +178,9 @@ def _first_line(error: BaseException) -> str:
     """A template's own message, without the traceback-like detail some jinja errors carry."""
     text = str(error).strip().splitlines()
     return text[0][:200] if text else type(error).__name__
+
+
+def _subject(param: str) -> str:
+    """'the prompt has' / 'the messages have': the start of a sentence about a request's text."""
+    return f"the {param} have" if param.endswith("s") else f"the {param} has"
+

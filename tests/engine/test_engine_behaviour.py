@@ -127,6 +127,17 @@ def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message)
             engine.step()
 
 
+def test_length_errors_name_the_text_in_a_sentence(llm):
+    with pytest.raises(ValueError, match=r"^the prompt has \d+ tokens, but the context length"):
+        llm.engine.add_request("long", "x " * 600, SamplingParams(max_tokens=4))
+    processor = llm.engine.input_processor  # the server's chat path names its parameter "messages"
+    with pytest.raises(ValueError, match=r"^the messages have \d+ tokens, but the context length"):
+        processor.process_chat("long", [{"role": "user", "content": "x " * 600}], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"^the messages have \d+ characters: more than"):
+        processor.process_chat("long", [{"role": "user", "content": "x" * 10**6}], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -231,6 +231,14 @@ def test_what_cannot_be_done_is_a_400_naming_the_parameter(server: ThreadedServe
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+def test_an_input_too_long_for_the_context_is_named_as_the_input(server: ThreadedServer) -> None:
+    for text in ("x" * 100_000, "word " * 5_000):  # over the characters' bound, then over the tokens'
+        body = {"model": MODEL, "input": text, "max_output_tokens": 4}
+        response = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("the input has "), response.text
+
+
 @pytest.mark.parametrize("data", [b"", b"{", b"[1, 2]", b"null", b'"text"', b"\xff\xfe", b'{"model": 1}'])
 def test_garbage_bodies_are_400s(server: ThreadedServer, data: bytes) -> None:
     response = httpx.post(f"{server.base_url}/v1/responses", content=data, headers={"content-type": "application/json"})
