@@ -769,6 +769,24 @@ def test_a_prefill_chunk_gives_each_token_the_bits_it_gets_alone(grid_llama_dir:
     assert torch.equal(pieces, alone)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 2), (8, 1)])
+def test_paired_tokens_of_a_chunk_keep_their_bits_whatever_the_query_group(
+    tmp_path: Path, heads: int, kv_heads: int
+) -> None:
+    """Two consecutive tokens of a prefill chunk score the keys they share in one pass (attend_pair): with 1, 3, 4
+    and 8 query heads a KV head, a pair holds 2 to 16 heads, in one pass or several. Each token still gets the bits
+    it gets alone, in every chunking, on every variant this CPU runs (41 positions: pairs and a token left over)."""
+    path = save_tiny_llama(tmp_path, hidden_size=32 * heads, intermediate_size=256, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads)  # fmt: skip
+    config = EngineConfig(model=str(on_native_grids(path)), block_size=5, num_kv_blocks=128)
+    backend = ModelRunner(load_model(config), config).backend
+    for isa in available_isas():
+        with on_isa(isa):
+            alone, whole, pieces = prefill_bits(backend, [[1] * 41, [41], [2, 7, 32]], 41, 5)
+        assert torch.equal(whole, alone), isa
+        assert torch.equal(pieces, alone), isa
+
+
 def test_prefill_chunks_keep_their_bits_on_qwen3_and_past_a_sliding_window(grid_variant_dir: Path) -> None:
     """The same with Qwen3's normed queries and keys, and Gemma 3's sliding layers (a window of 8 keys)."""
     config = EngineConfig(model=str(grid_variant_dir), block_size=5, num_kv_blocks=128)

@@ -353,6 +353,8 @@ struct Kernels {
   decltype(&isa_base::store_k_bf16) store_k_bf16;
   decltype(&isa_base::attend_f32) attend_f32;
   decltype(&isa_base::attend_bf16) attend_bf16;
+  decltype(&isa_base::attend_pair_f32) attend_pair_f32;
+  decltype(&isa_base::attend_pair_bf16) attend_pair_bf16;
   decltype(&isa_base::madd_peak) madd_peak;
   decltype(&isa_base::madd_peak_i8) madd_peak_i8;
   decltype(&isa_base::read_stream) read_stream;
@@ -364,8 +366,8 @@ struct Kernels {
   Kernels {                                                                                                       \
     #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8_gemm_i8, ns::q8l_gemm,       \
         ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, ns::rope, ns::store_k_f32, \
-        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream,      \
-        ns::sample_row, ns::argmax_row                                                                            \
+        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::attend_pair_f32, ns::attend_pair_bf16,             \
+        ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row, ns::argmax_row                          \
   }
 
 bool cpu_has_avx512() {
@@ -947,6 +949,18 @@ class NativeLlama {
     std::vector<char> is_decode(T);
     for (int64_t i = 0; i < T; i++) is_decode[i] = seq_tokens[seq[i]] == 1;
     const int Lp = (int)((max_len + 15) / 16 * 16);
+    // One task per (token, KV head): its G query heads share the K/V loads. With few such tasks (a decode of one
+    // or two streams), one task per (token, query head) instead, so both cores work; each head's arithmetic
+    // is the same either way.
+    const int per_task = T * kv_heads_ >= 4 * at::get_num_threads() ? G : 1;
+    // The tokens the tasks take: one at a time, or two consecutive tokens of one sequence's prefill chunk, which
+    // score the keys they both attend in one pass (attend_pair: each key read once for the two, the same bits).
+    std::vector<int64_t> units;  // each unit's first token; a unit ends where the next begins
+    for (int64_t i = 0; i < T; i++) {
+      units.push_back(i);
+      if (per_task == G && i + 1 < T && !is_decode[i] && seq[i + 1] == seq[i] && pos[i + 1] == pos[i] + 1) i++;
+    }
+    units.push_back(T);
 
     for (int64_t i = 0; i < T; i++) {
       embed_.row(id[i], h + i * H);
@@ -992,36 +1006,46 @@ class NativeLlama {
           }
         }
       });
-      // One task per (token, KV head): its G query heads share the K/V loads. With few such tasks (a decode of one
-      // or two streams), one task per (token, query head) instead, so both cores work; each head's arithmetic
-      // is the same either way.
-      const int per_task = T * kv_heads_ >= 4 * at::get_num_threads() ? G : 1;
       // A sequence with one token in the step (a decode) reads keys no other query of the step has touched.
-      // Tasks cost as many keys as their token's position (a causal chunk, sequences of any length): the threads
+      // Tasks cost as many keys as their tokens' positions (a causal chunk, sequences of any length): the threads
       // take them one at a time, not in two fixed halves that leave one thread waiting for the other.
-      const int64_t num_tasks = T * heads_ / per_task;
+      const int64_t groups = heads_ / per_task, num_tasks = ((int64_t)units.size() - 1) * groups;
       std::atomic<int64_t> next_task{0};
       at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         thread_local std::vector<float> scores;
-        if ((int64_t)scores.size() < MAX_HEADS_PER_PASS * Lp) scores.resize(MAX_HEADS_PER_PASS * Lp);
+        if ((int64_t)scores.size() < 2 * MAX_HEADS_PER_PASS * Lp) scores.resize(2 * MAX_HEADS_PER_PASS * Lp);
         for (int64_t w; (w = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
-          const int64_t i = w * per_task / heads_;
-          const int head = (int)(w * per_task % heads_), kh = head / G;
-          const float* q = qkv.data() + i * QKV + head * D;
+          const int64_t unit = w / groups, i = units[unit];
+          const int head = (int)(w % groups * per_task), kh = head / G;
           const int* table = tables + (int64_t)seq[i] * max_blocks;
-          float* o = attn.data() + i * heads_ * D + head * D;
           const int L = (int)(pos[i] + 1);
           const int first = layer.window > 0 && L > layer.window ? L - layer.window : 0;
-          if (kv_bf16_) {
-            const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
-            const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
-            kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, block_stride, first, L, is_decode[i], scale,
-                             scores.data(), o);
-          } else {
-            const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
-            const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-            kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, block_stride, first, L, is_decode[i], scale,
-                            scores.data(), o);
+          // a pair shares its keys only if both tokens start at the same one (a sliding window moves B's on)
+          const bool is_pair = units[unit + 1] - i == 2 && !(layer.window > 0 && L + 1 > layer.window);
+          for (int64_t t = i; t < units[unit + 1]; t += is_pair ? 2 : 1) {
+            const float* q = qkv.data() + t * QKV + head * D;
+            float* o = attn.data() + t * heads_ * D + head * D;
+            const int Lt = (int)(pos[t] + 1);
+            const int first_t = layer.window > 0 && Lt > layer.window ? Lt - layer.window : 0;
+            if (kv_bf16_) {
+              const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
+              const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
+              if (is_pair)
+                kern.attend_pair_bf16(q, q + QKV, per_task, D, kc, vc, table, block_size_, block_stride, first, L,
+                                      scale, scores.data(), o, o + heads_ * D);
+              else
+                kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, block_stride, first_t, Lt, is_decode[t],
+                                 scale, scores.data(), o);
+            } else {
+              const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
+              const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
+              if (is_pair)
+                kern.attend_pair_f32(q, q + QKV, per_task, D, kc, vc, table, block_size_, block_stride, first, L,
+                                     scale, scores.data(), o, o + heads_ * D);
+              else
+                kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, block_stride, first_t, Lt, is_decode[t],
+                                scale, scores.data(), o);
+            }
           }
         }
       });
