@@ -779,12 +779,17 @@ def test_paired_tokens_of_a_chunk_keep_their_bits_whatever_the_query_group(
     path = save_tiny_llama(tmp_path, hidden_size=32 * heads, intermediate_size=256, num_attention_heads=heads,
                            num_key_value_heads=kv_heads)  # fmt: skip
     config = EngineConfig(model=str(on_native_grids(path)), block_size=5, num_kv_blocks=128)
-    backend = ModelRunner(load_model(config), config).backend
-    for isa in available_isas():
-        with on_isa(isa):
-            alone, whole, pieces = prefill_bits(backend, [[1] * 41, [41], [2, 7, 32]], 41, 5)
-        assert torch.equal(whole, alone), isa
-        assert torch.equal(pieces, alone), isa
+    runner = ModelRunner(load_model(config), config)
+    backend = runner.backend
+    float32_caches = [[c.float() for c in caches] for caches in (runner.k_caches, runner.v_caches)]
+    for caches in (None, float32_caches):  # the pool's bf16 cache, then a float32 one (the kernels take both)
+        if caches is not None:
+            backend.bind_kv_caches(*caches)
+        for isa in available_isas():
+            with on_isa(isa):
+                alone, whole, pieces = prefill_bits(backend, [[1] * 41, [41], [2, 7, 32]], 41, 5)
+            assert torch.equal(whole, alone), isa
+            assert torch.equal(pieces, alone), isa
 
 
 def test_prefill_chunks_keep_their_bits_on_qwen3_and_past_a_sliding_window(grid_variant_dir: Path) -> None:

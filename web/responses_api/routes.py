@@ -61,7 +61,8 @@ async def create_response() -> Response:
         except InvalidRequest as error:  # the input processor names the chat path's parameter, "messages"
             if error.param != "messages":
                 raise
-            raise APIError(400, error.message.replace("the messages have", "the input has").replace("the messages", "the input"), param="input") from None
+            message = error.message.replace("the messages have", "the input has").replace("the messages", "the input")
+            raise APIError(400, message, param="input") from None
         outputs = reservation.generate(prepared)
     timer = RequestTimer(s.metrics, outputs.request)
     if body.stream:

@@ -1027,25 +1027,21 @@ class NativeLlama {
             float* o = attn.data() + t * heads_ * D + head * D;
             const int Lt = (int)(pos[t] + 1);
             const int first_t = layer.window > 0 && Lt > layer.window ? Lt - layer.window : 0;
-            if (kv_bf16_) {
-              const auto* kc = (const unsigned short*)k_[l].data_ptr() + kh * head_stride;
-              const auto* vc = (const unsigned short*)v_[l].data_ptr() + kh * head_stride;
+            // the same calls on either cache's elements (bf16 or float32)
+            const auto run = [&](const auto* k_cache, const auto* v_cache, auto attend, auto attend_pair) {
+              const auto *kc = k_cache + kh * head_stride, *vc = v_cache + kh * head_stride;
               if (is_pair)
-                kern.attend_pair_bf16(q, q + QKV, per_task, D, kc, vc, table, block_size_, block_stride, first, L,
-                                      scale, scores.data(), o, o + heads_ * D);
+                attend_pair(q, q + QKV, per_task, D, kc, vc, table, block_size_, block_stride, first, L, scale,
+                            scores.data(), o, o + heads_ * D);
               else
-                kern.attend_bf16(q, per_task, D, kc, vc, table, block_size_, block_stride, first_t, Lt, is_decode[t],
-                                 scale, scores.data(), o);
-            } else {
-              const float* kc = k_[l].data_ptr<float>() + kh * head_stride;
-              const float* vc = v_[l].data_ptr<float>() + kh * head_stride;
-              if (is_pair)
-                kern.attend_pair_f32(q, q + QKV, per_task, D, kc, vc, table, block_size_, block_stride, first, L,
-                                     scale, scores.data(), o, o + heads_ * D);
-              else
-                kern.attend_f32(q, per_task, D, kc, vc, table, block_size_, block_stride, first_t, Lt, is_decode[t],
-                                scale, scores.data(), o);
-            }
+                attend(q, per_task, D, kc, vc, table, block_size_, block_stride, first_t, Lt, is_decode[t], scale,
+                       scores.data(), o);
+            };
+            if (kv_bf16_)
+              run((const unsigned short*)k_[l].data_ptr(), (const unsigned short*)v_[l].data_ptr(), kern.attend_bf16,
+                  kern.attend_pair_bf16);
+            else
+              run(k_[l].data_ptr<float>(), v_[l].data_ptr<float>(), kern.attend_f32, kern.attend_pair_f32);
           }
         }
       });
