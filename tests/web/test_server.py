@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -231,6 +233,28 @@ def test_bad_input_gets_an_openai_error(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param
     assert words.lower() in error["message"].lower()
+
+
+def test_an_error_answered_before_the_body_arrives_keeps_the_connection(server: ThreadedServer) -> None:
+    """A 415 is decided from the headers alone. Sent before the body has arrived, it must not close the connection
+    under the client (which then loses its next request on it): the server reads the body first. The body goes
+    out only after the 415 is in, as a busy client's second write can."""
+    with socket.create_connection(("127.0.0.1", server.config.port), timeout=30) as sock:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n\r\n"
+        sock.sendall(head)
+        sock.settimeout(0.5)
+        early = b""
+        with contextlib.suppress(TimeoutError):
+            early = sock.recv(65536)  # the old behaviour: the 415 at once, then the connection closed
+        sock.settimeout(30)
+        sock.sendall(b"prompt=hi")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        replies = early
+        while replies.count(b"HTTP/1.1 ") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed the connection after: {replies[:200]!r}"
+            replies += chunk
+    assert replies.startswith(b"HTTP/1.1 415 ") and b"HTTP/1.1 200 " in replies
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/nowhere", 404), ("GET", "/v1/completions", 405)])
