@@ -183,4 +183,3 @@ def _first_line(error: BaseException) -> str:
 def _subject(param: str) -> str:
     """'the prompt has' / 'the messages have': the start of a sentence about a request's text."""
     return f"the {param} have" if param.endswith("s") else f"the {param} has"
-

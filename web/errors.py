@@ -67,12 +67,14 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-async def drain_request_body() -> None:
+async def drain_request_body(status: int) -> None:
     """Read what is left of the request's body before an error answers it. An error can come before the handler
     reads the body (415, 401, 503 while draining); Hypercorn cannot keep a connection whose request was not read
     to its end, so it closes it under a client still writing the body or about to send its next request there, and
     that request fails without a response. Bounded by the body limit (BodyLimit, Quart's) and the body timeout;
     a 408 or 413 (the body is late or too large) is answered at once."""
+    if status in (408, 413):
+        return
     with anyio.move_on_after(current_app.config["BODY_TIMEOUT"]), contextlib.suppress(Exception):
         await request.body
 
@@ -80,26 +82,24 @@ async def drain_request_body() -> None:
 def register_error_handlers(app: Quart) -> None:
     @app.errorhandler(APIError)
     async def handle_api_error(error: APIError) -> Response:
-        if error.status not in (408, 413):
-            await drain_request_body()
+        await drain_request_body(error.status)
         return error.response()
 
     @app.errorhandler(InvalidRequest)
     async def handle_invalid_request(error: InvalidRequest) -> Response:
-        await drain_request_body()
+        await drain_request_body(400)
         return APIError(400, error.message, param=error.param).response()
 
     @app.errorhandler(EngineUnavailable)
     async def handle_unavailable(error: EngineUnavailable) -> Response:
-        await drain_request_body()
+        await drain_request_body(503)
         message = f"the server is not accepting requests: {error}"
         return APIError(503, message, code=f"engine_{error.state.value}").response()
 
     @app.errorhandler(HTTPException)
     async def handle_http_exception(error: HTTPException) -> Response:
         status = error.code or 500
-        if status not in (408, 413):
-            await drain_request_body()
+        await drain_request_body(status)
         message = error.description or error.name
         response = APIError(status, message, code=HTTP_CODES.get(status)).response()
         if status == 405 and error.get_response().headers.get("Allow"):
@@ -110,4 +110,5 @@ def register_error_handlers(app: Quart) -> None:
     async def handle_unexpected(error: Exception) -> Response:
         # The client sees no detail of it (no repr, path or shape); the log has the traceback.
         logger.exception("unhandled error while serving a request")
+        await drain_request_body(500)
         return APIError(500, "internal server error", code="internal_error").response()
