@@ -41,7 +41,7 @@ bench: install
 bench-offline: install
 	$(PY) -m bench offline $(ARGS)
 
-# every kernel variant this CPU runs (avx512, avx2, baseline) against its measured peaks
+# every kernel variant this CPU runs (avx512, avxvnni, avx2, baseline) against its measured peaks
 bench-kernels: install
 	$(PY) -m bench kernels $(ARGS)
 

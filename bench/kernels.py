@@ -2,7 +2,7 @@
 
     python -m bench kernels [--variants avx2,baseline] [--rows 1,8,32,128,512] [--markdown] [--quick]
 
-For each variant the CPU can run (engine/native: avx512, avx2, baseline; SLUICE_ISA forces one in the server):
+For each variant the CPU can run (engine/native: avx512, avxvnni, avx2, baseline; SLUICE_ISA forces one in the server):
 - peaks: the GEMMs' integer multiply-add in a register-only loop on every thread (multiply-adds/s), for the int16
   kernels' instruction and for the int8 kernels' (vpdpbusd, pmaddubsw), and a streaming read of 256 MiB (bytes/s);
 - the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) with int16 activations
@@ -285,7 +285,7 @@ def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", help="comma-separated: avx512, avx2, baseline (default: every one this CPU runs)")
+    p.add_argument("--variants", help="comma-separated: avx512, avxvnni, avx2, baseline (default: every one this CPU runs)")
     p.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="GEMM row counts (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=0.2, help="shortest timed round per measurement")
@@ -300,7 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.native import available_isas, native_ops
+    from engine.native import ISA_VARIANTS, available_isas, native_ops
 
     global CLOCK
     args = parse_args(argv)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     clock = "per core, thread CPU time" if args.per_core else "wall time"
     print(f"{cpu_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads ({clock}); variants: {', '.join(variants)}"
-          f" (not runnable here: {', '.join(v for v in ('avx512', 'avx2', 'baseline') if v not in runnable) or 'none'})")
+          f" (not runnable here: {', '.join(v for v in ISA_VARIANTS if v not in runnable) or 'none'})")
     report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "variants": {}}
     for variant in variants:
         peaks, results = run_variant(ops, variant, rows, args)

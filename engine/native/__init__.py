@@ -3,9 +3,9 @@
 `native_ops()` is the compiled module, or None: not built, built for another torch, or turned off with
 SLUICE_NATIVE=0. Either way the engine keeps working on its eager PyTorch path, and says why once in the log.
 
-The kernels come in three variants (avx512, avx2, baseline), the best the CPU has chosen at run time;
-SLUICE_ISA=avx512|avx2|baseline forces one (to measure or test a variant on a bigger CPU), and is refused with
-a RuntimeError when the CPU lacks it.
+The kernels come in four variants (avx512, avxvnni: AVX2 with AVX-VNNI, avx2, baseline), the best the CPU has
+chosen at run time; SLUICE_ISA=avx512|avxvnni|avx2|baseline forces one (to measure or test a variant on a bigger
+CPU), and is refused with a RuntimeError when the CPU lacks it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SLUICE_NATIVE"
 ENV_ISA = "SLUICE_ISA"
-ISA_VARIANTS = ("avx512", "avx2", "baseline")  # the extension's own names: isa_avx512, isa_avx2, isa_base
+ISA_VARIANTS = ("avx512", "avxvnni", "avx2", "baseline")  # the extension's: isa_avx512 ... isa_base
 BUILD_DIR = Path(__file__).resolve().parent / "_build"  # gitignored; `make install` fills it
 MODULE_NAME = "sluice_native"
 

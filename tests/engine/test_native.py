@@ -55,7 +55,8 @@ from tests.support.tiny_models import GEMMA3_WINDOW, save_tiny_gemma3, save_tiny
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the native step is not built (make install builds it)")
-ISAS = ["avx512", "avx2", "base"]
+ISAS = ["avx512", "avxvnni", "avx2", "base"]
+SIMD_ISAS = ("avx512", "avxvnni", "avx2")  # FMA: the same bits in every one (baseline rounds apart)
 
 
 def available_isas() -> list[str]:
@@ -308,10 +309,10 @@ def test_a_linear_of_parts_in_several_layouts_is_their_outputs_side_by_side(isa:
             ops.linear(x, linear_spec(*parts), 100)
 
 
-def test_q6_and_super_block_layouts_of_avx512_and_avx2_give_the_same_bits() -> None:
-    isas = [isa for isa in ("avx512", "avx2") if isa in available_isas()]
+def test_q6_and_super_block_layouts_give_the_same_bits_on_every_simd_variant() -> None:
+    isas = [isa for isa in SIMD_ISAS if isa in available_isas()]
     if len(isas) < 2:
-        pytest.skip("needs a CPU with both AVX-512 and AVX2")
+        pytest.skip("this CPU runs only one of avx512, avxvnni and avx2")
     rng = np.random.default_rng(8)
     g4, g6 = random_grid(rng, "Q4_K", 64, 512), random_grid(rng, "Q6_K", 64, 512)
     q = torch.from_numpy(g4.q)
@@ -321,16 +322,16 @@ def test_q6_and_super_block_layouts_of_avx512_and_avx2_give_the_same_bits() -> N
     results = []
     for isa in isas:
         with on_isa(isa):
-            # 1 and 2 rows: one pass over a tile's whole lines on avx2; 13: its 8-row halves, then 5
+            # 1 and 2 rows: one pass over a tile's whole lines on 8 lanes; 13: its 8-row halves, then 5
             results.append([y for p in (q4, q6) for m in (1, 2, 13) for y in both_precisions(x[:m], linear_spec(p), 64)])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
 
 
-def test_q8_layer_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
+def test_q8_layer_kernels_give_the_same_bits_on_every_simd_variant() -> None:
     """16 lanes and 8: the same integer sums, the same float operations per lane (baseline x86-64 has no FMA)."""
-    isas = [isa for isa in ("avx512", "avx2") if isa in available_isas()]
+    isas = [isa for isa in SIMD_ISAS if isa in available_isas()]
     if len(isas) < 2:
-        pytest.skip("this CPU runs only one of avx512 and avx2")
+        pytest.skip("this CPU runs only one of avx512, avxvnni and avx2")
     rng = np.random.default_rng(6)
     grid = grid_of(StoredTensor((64, 256), "Q6_K", lambda: random_blocks(rng, "Q6_K", 64, 256)))
     packed = pack_q8_layer_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), None, None)
@@ -339,14 +340,15 @@ def test_q8_layer_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
     for isa in isas:
         with on_isa(isa):
             outputs.append(ops.linear(x, linear_spec(packed), 64))
-    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(outputs[0], y) for y in outputs[1:])
 
 
-def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
-    """The VNNI and the pmaddubsw kernels make the same integer sums and the same float operations after them."""
-    isas = [isa for isa in ("avx512", "avx2") if isa in available_isas()]
+def test_int8_kernels_give_the_same_bits_on_every_simd_variant() -> None:
+    """The VNNI kernels (16 lanes, and 8 with AVX-VNNI) and the pmaddubsw ones make the same integer sums and the
+    same float operations after them."""
+    isas = [isa for isa in SIMD_ISAS if isa in available_isas()]
     if len(isas) < 2:
-        pytest.skip("this CPU runs only one of avx512 and avx2")
+        pytest.skip("this CPU runs only one of avx512, avxvnni and avx2")
     gen = torch.Generator().manual_seed(4)
     w, x = torch.randn(200, 1536, generator=gen), torch.randn(33, 1536, generator=gen)
     q4 = pack_q4(w, None)
@@ -354,10 +356,11 @@ def test_int8_kernels_of_avx512_and_avx2_give_the_same_bits() -> None:
         outs = []
         for isa in isas:
             ops.set_isa(isa)
-            outs.append(ops.linear(x, linear_spec(q4), 200, is_int8=True))
+            # 1 and 2 rows: a tile's whole lines in one pass on 8 lanes; 33: its 8-row halves, then 1
+            outs.append([ops.linear(x[:m], linear_spec(q4), 200, is_int8=True) for m in (1, 2, 33)])
     finally:
         ops.set_isa("best")
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
 
 
 def test_int8_lm_head_gives_the_same_bits_on_every_variant_and_rows_alone() -> None:
@@ -382,8 +385,8 @@ def test_int8_lm_head_gives_the_same_bits_on_every_variant_and_rows_alone() -> N
             outputs[isa] = y
         finally:
             ops.set_isa("best")
-    if "avx512" in outputs and "avx2" in outputs:
-        assert torch.equal(outputs["avx512"], outputs["avx2"])
+    simd = [outputs[isa] for isa in SIMD_ISAS if isa in outputs]
+    assert all(torch.equal(simd[0], y) for y in simd[1:])
     # against float64 on the int8 steps: x rounded per group of 32 to amax / 127 steps, the weights dequantised
     groups = x.view(11, -1, 32)
     amax = groups.abs().amax(dim=-1, keepdim=True)
@@ -585,7 +588,7 @@ def test_sluice_isa_forces_a_variant_and_refuses_one_the_cpu_lacks(monkeypatch) 
             assert native_ops().isa() == ("isa_base" if name == "baseline" else f"isa_{name}")
         monkeypatch.setenv("SLUICE_ISA", "avx1024")
         native_ops.cache_clear()
-        with pytest.raises(RuntimeError, match="SLUICE_ISA='avx1024': the kernel variants are avx512, avx2, baseline"):
+        with pytest.raises(RuntimeError, match="SLUICE_ISA='avx1024': the kernel variants are avx512, avxvnni, avx2, baseline"):
             native_ops()
         for lacking in [v for v in engine_native.ISA_VARIANTS if v not in runnable]:  # avx512 on an AVX2 CPU
             monkeypatch.setenv("SLUICE_ISA", lacking)

@@ -7,8 +7,8 @@
 // Q6_K, the Q8 layer layout for the other grids; a linear's parts may differ), Q8_0 (int8, per 32-group scale) for
 // the token embedding and lm_head.
 // Activations are float32; the KV cache is the runner's (bf16 or float32, [blocks][KVH][block_size][D]),
-// written and read in place through block tables. Kernels are compiled three times (AVX-512, AVX2+FMA,
-// baseline x86-64) and chosen at run time from the CPU's features.
+// written and read in place through block tables. Kernels are compiled four times (AVX-512, AVX2+FMA with AVX-VNNI,
+// AVX2+FMA, baseline x86-64) and chosen at run time from the CPU's features.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -39,6 +40,14 @@ inline vi pair_chunks_to_quads(const signed char* p) {
     v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
                  (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
   return v;
+}
+
+// Per lane, acc plus the 4 products of w's unsigned bytes with the signed bytes x[0..3], in plain C: vpdpbusd on 8
+// lanes for the variants without AVX-VNNI, whose 8-lane int8 kernels do not call it (HAS_VNNI8 is false there).
+inline vi8 dot4_bcast8_c(vi8 acc, vi8 w, const signed char* x) {
+  for (int i = 0; i < 8; i++)
+    for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
+  return acc;
 }
 
 #pragma GCC push_options
@@ -115,6 +124,9 @@ inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
   return (vs16)_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(quad));
 }
 inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm256_set1_epi16(1)); }
+// int8 runs the 16-lane kernels: the 8-lane ones are compiled, not run
+constexpr bool HAS_VNNI8 = false;
+inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) { return dot4_bcast8_c(acc, w, x); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -124,104 +136,33 @@ inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm2
 #pragma GCC target("avx2,fma,f16c,bmi2")
 namespace isa_avx2 {
 namespace {
-// An 8-lane sum kept in its register at this point. Integer additions reassociate freely, and GCC rewrote each
-// row's running sum over a group into one tree of all its products, holding every product of 8 rows at once: the
-// kernel spilled to the stack hundreds of times a tile (the sums are exact, so any order gives the same numbers).
-template <typename V>
-inline void in_register(V& v) { asm("" : "+x"(v)); }
-inline vf8 fmadd(vf8 a, vf8 b, vf8 c) { return (vf8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-inline vi join(__m256i lo, __m256i hi) {
-  return __builtin_shufflevector((vi8)lo, (vi8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-inline vi load_u8x16(const unsigned char* p) {
-  return join(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)),
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-}
-inline vi load_s8x16(const signed char* p) {
-  return join(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)),
-              _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-}
-inline vu load_u16x16(const unsigned short* p) {
-  return (vu)join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)),
-                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8))));
-}
-inline void store_u16x16(unsigned short* p, vu v) {
-  vi8 lo = __builtin_shufflevector((vi)v, (vi)v, 0, 1, 2, 3, 4, 5, 6, 7);
-  vi8 hi = __builtin_shufflevector((vi)v, (vi)v, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m256i packed = _mm256_packus_epi32((__m256i)lo, (__m256i)hi);  // lanes in 128-bit halves: reorder
-  _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xD8));
-}
-inline vf load_f16x16(const unsigned short* p) {
-  vf8 lo = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-  vf8 hi = (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-inline vi load_s8x32_as_s16(const signed char* p) {
-  return join(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)),
-              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16))));
-}
-inline vi dot2(vi acc, vi w, vi x) {
-  vi8 lo = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-           (vi8)_mm256_madd_epi16((__m256i)__builtin_shufflevector(w, w, 0, 1, 2, 3, 4, 5, 6, 7),
-                                  (__m256i)__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-  vi8 hi = __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15) +
-           (vi8)_mm256_madd_epi16((__m256i)__builtin_shufflevector(w, w, 8, 9, 10, 11, 12, 13, 14, 15),
-                                  (__m256i)__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-  return join((__m256i)lo, (__m256i)hi);
-}
-inline vi dot2_bcast(vi acc, vi w, const short* x) {
-  int pair;
-  __builtin_memcpy(&pair, x, 4);
-  return dot2(acc, w, (vi){} + pair);
-}
-inline vi8 round_to_int(vf8 v) { return (vi8)_mm256_cvtps_epi32((__m256)v); }
-inline void store_s16(short* p, vi8 v) {
-  const __m256i w = (__m256i)v;
-  _mm_storeu_si128((__m128i*)p, _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
-}
-// 16 ymm: 4 rows' integer and float accumulators (8) + the weights, their unpacked pair and the mask.
-constexpr bool USE_GEMM8 = true;
-constexpr int GEMM8_ROWS = 4;
-// int8: 8 rows' 16-bit sums + the weights' two quads, two broadcasts and the ones of the widening
-constexpr int GEMM8_ROWS_INT8 = 8;
-typedef vf8 attn_vec;  // one ymm
-constexpr int ATTN_REGS = 16;
-typedef vf8 native_vf;
-// 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
-inline vi8 madd8(vi8 w, vi8 x) { return (vi8)_mm256_madd_epi16((__m256i)w, (__m256i)x); }
-inline vi8 madd_bcast8(vi8 w, const short* x) {
-  int pair;
-  __builtin_memcpy(&pair, x, 4);
-  return madd8(w, (vi8){} + pair);
-}
-inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-inline vi8 load_u8x8(const unsigned char* p) { return (vi8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-inline vi8 load_s8x8(const signed char* p) { return (vi8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-inline vi8 load_s8x16_as_s16x8(const signed char* p) {
-  return (vi8)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
-}
-// Per 16-bit lane, the 2 products of w's unsigned bytes with the signed bytes x[0..3] repeated (pmaddubsw); then
-// adjacent 16-bit lanes summed into 32 bits.
-inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
-  int quad;
-  __builtin_memcpy(&quad, x, 4);
-  return (vs16)_mm256_maddubs_epi16((__m256i)w, _mm256_set1_epi32(quad));
-}
-inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm256_set1_epi16(1)); }
-inline vs16 maddubs8(vi8 w, vi8 x) { return (vs16)_mm256_maddubs_epi16((__m256i)w, (__m256i)x); }
-// int8 activations run the 8-lane pmaddubsw kernel
-constexpr int INT8_GEMM_WIDTH = 8;
-// Not used by this variant's GEMMs (the kernels compile every path): plain C.
-inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
-  for (int i = 0; i < 16; i++)
-    for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
-  return acc;
-}
-inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }  // unused here too
+// int8 products in pairs of int16 lanes by pmaddubsw (gemm8.inc's add_octet8)
+constexpr bool HAS_VNNI8 = false;
+#include "avx2_helpers.inc"
+inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) { return dot4_bcast8_c(acc, w, x); }  // not used here
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
+#pragma GCC pop_options
+
+// AVX2 with AVX-VNNI (Intel cores since Alder Lake, the E-core Xeons (Sierra Forest), AMD since Zen 5; none of them
+// with AVX-512 where this variant is chosen): the avx2 kernels, but the 8-lane int8 GEMMs add each 4 byte products
+// into an int32 lane with one vpdpbusd (ymm) where AVX2 needs pmaddubsw, an int16 add and a widening. The same
+// integer sums, so the same bits.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
+namespace isa_avxvnni {
+namespace {
+constexpr bool HAS_VNNI8 = true;
+#include "avx2_helpers.inc"
+inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) {
+  int quad;
+  __builtin_memcpy(&quad, x, 4);
+  return (vi8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(quad));
+}
+}  // namespace
+#include "kernels.inc"
+}  // namespace isa_avxvnni
 #pragma GCC pop_options
 
 namespace isa_base {
@@ -328,6 +269,8 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
 }
 inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }
 inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
+constexpr bool HAS_VNNI8 = false;
+inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) { return dot4_bcast8_c(acc, w, x); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
@@ -382,8 +325,14 @@ bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+bool cpu_has_avxvnni() {
+  __builtin_cpu_init();
+  return cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+}
+
 Kernels best_kernels() {
   if (cpu_has_avx512()) return SLUICE_KERNELS(isa_avx512);
+  if (cpu_has_avxvnni()) return SLUICE_KERNELS(isa_avxvnni);
   if (cpu_has_avx2()) return SLUICE_KERNELS(isa_avx2);
   return SLUICE_KERNELS(isa_base);
 }
@@ -393,10 +342,11 @@ Kernels& kernels() {
   return k;
 }
 
-// "avx512", "avx2", "base" or "best": for tests of every path on one machine; refuses what the CPU lacks.
+// "avx512", "avxvnni", "avx2", "base" or "best": for tests of every path on one machine; refuses what the CPU lacks.
 std::string set_isa(const std::string& name) {
   if (name == "best") kernels() = best_kernels();
   else if (name == "avx512" && cpu_has_avx512()) kernels() = SLUICE_KERNELS(isa_avx512);
+  else if (name == "avxvnni" && cpu_has_avxvnni()) kernels() = SLUICE_KERNELS(isa_avxvnni);
   else if (name == "avx2" && cpu_has_avx2()) kernels() = SLUICE_KERNELS(isa_avx2);
   else if (name == "base") kernels() = SLUICE_KERNELS(isa_base);
   else TORCH_CHECK(false, "instruction set not available here: ", name);
