@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server (and llama-bench) from the llama.cpp vendored in the
 # llama-cpp-python==0.3.36 source distribution, into DIR (outside the repository; never commit it).
-#   bench/build_llama_server.sh /work/peers            (PEER_ISA=avx2 ...: the AVX2 path, binaries suffixed -avx2)
+#   bench/build_llama_server.sh /work/peers            (PEER_ISA=avx2 or avxvnni ...: that path, binaries suffixed -avx2 ...)
 # leaves DIR/llama-server, DIR/llama-bench and DIR/llama-perplexity. Needs cmake and g++; PIP defaults to
 # python3 -m pip.
 # Not part of `make test`.
@@ -34,12 +34,16 @@ if [ ! -d "$llama_dir" ]; then
 fi
 
 cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-# PEER_ISA=avx2 builds the AVX2 path on an AVX-512 CPU too (to compare with SLUICE_ISA=avx2 on one machine)
-if [ "${PEER_ISA:-native}" = avx2 ]; then cpu_flags=$(echo "$cpu_flags" | sed -E 's/ avx512[a-z0-9_]*//g'); cpu_flags=" $cpu_flags "; fi
+# PEER_ISA=avx2 builds the AVX2 path on an AVX-512 CPU too (to compare with SLUICE_ISA=avx2 on one machine);
+# PEER_ISA=avxvnni the same with AVX-VNNI (an Intel client core's build, beside SLUICE_ISA=avxvnni)
+case "${PEER_ISA:-native}" in
+    avx2) cpu_flags=$(echo "$cpu_flags" | sed -E 's/ avx512[a-z0-9_]*//g; s/ avx_vnni//g'); cpu_flags=" $cpu_flags " ;;
+    avxvnni) cpu_flags=$(echo "$cpu_flags" | sed -E 's/ avx512[a-z0-9_]*//g'); cpu_flags=" $cpu_flags " ;;
+esac
 has() { case "$cpu_flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
 isa_options=(
     -DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)"
-    -DGGML_BMI2="$(has bmi2)"
+    -DGGML_BMI2="$(has bmi2)" -DGGML_AVX_VNNI="$(has avx_vnni)"
     -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)"
     -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)"
 )
