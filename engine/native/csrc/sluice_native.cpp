@@ -42,12 +42,20 @@ inline vi pair_chunks_to_quads(const signed char* p) {
   return v;
 }
 
-// Per lane, acc plus the 4 products of w's unsigned bytes with the signed bytes x[0..3], in plain C: vpdpbusd on 8
-// lanes for the variants without AVX-VNNI, whose 8-lane int8 kernels do not call it (HAS_VNNI8 is false there).
-inline vi8 dot4_bcast8_c(vi8 acc, vi8 w, const signed char* x) {
+// vpdpbusd on 8 lanes and the Q8 layout's quads on 8 (gemm8.inc's dot4_8 and pairs_to_quads8) in plain C, for the
+// variants without AVX-VNNI, which compile the 8-lane VNNI kernels but do not run them (HAS_VNNI8 is false there).
+inline vi8 dot4_8_c(vi8 acc, vi8 u, vi8 s) {
   for (int i = 0; i < 8; i++)
-    for (int b = 0; b < 4; b++) acc[i] += (int)(((unsigned)w[i] >> (8 * b)) & 0xFF) * x[b];
+    for (int b = 0; b < 4; b++)
+      acc[i] += (int)(((unsigned)u[i] >> (8 * b)) & 0xFF) * (int)(signed char)(((unsigned)s[i] >> (8 * b)) & 0xFF);
   return acc;
+}
+inline vi8 pairs_to_quads8_c(const signed char* p) {
+  vi8 v;
+  for (int c = 0; c < 8; c++)
+    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
+                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
+  return v;
 }
 
 #pragma GCC push_options
@@ -126,7 +134,8 @@ inline vs16 maddubs_bcast8(vi8 w, const signed char* x) {
 inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm256_set1_epi16(1)); }
 // int8 runs the 16-lane kernels: the 8-lane ones are compiled, not run
 constexpr bool HAS_VNNI8 = false;
-inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) { return dot4_bcast8_c(acc, w, x); }
+inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
+inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads8_c(p); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -139,7 +148,8 @@ namespace {
 // int8 products in pairs of int16 lanes by pmaddubsw (gemm8.inc's add_octet8)
 constexpr bool HAS_VNNI8 = false;
 #include "avx2_helpers.inc"
-inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) { return dot4_bcast8_c(acc, w, x); }  // not used here
+inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
+inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads8_c(p); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -155,10 +165,12 @@ namespace isa_avxvnni {
 namespace {
 constexpr bool HAS_VNNI8 = true;
 #include "avx2_helpers.inc"
-inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) {
-  int quad;
-  __builtin_memcpy(&quad, x, 4);
-  return (vi8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(quad));
+// per lane, acc plus the 4 products of u's unsigned bytes with s's signed ones
+inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return (vi8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s); }
+// 16 bytes of the Q8 layout's pairs (8 columns' k, k + 1) and the 16 at p + 32 (k + 2, k + 3): per lane its quad
+inline vi8 pairs_to_quads8(const signed char* p) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)p), b = _mm_loadu_si128((const __m128i*)(p + 32));
+  return (vi8)_mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
 }
 }  // namespace
 #include "kernels.inc"
@@ -270,7 +282,8 @@ inline vi dot4_bcast(vi acc, vi w, const signed char* x) {
 inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed char*)&x); }
 inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
 constexpr bool HAS_VNNI8 = false;
-inline vi8 dot4_bcast8(vi8 acc, vi8 w, const signed char* x) { return dot4_bcast8_c(acc, w, x); }
+inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
+inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads8_c(p); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
