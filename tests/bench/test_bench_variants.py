@@ -1,0 +1,31 @@
+"""The variants-in-turns benchmark runs end to end on small turns (no timing asserted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench.experiments import variants as bench_variants
+from engine.native import available_isas, native_ops
+
+ops = native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the native step is not built (make install builds it)")
+
+
+def test_every_variant_takes_its_turns_and_gets_a_rate_and_a_ratio(monkeypatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(bench_variants, "TURN_SECONDS", 0.001)
+    names = available_isas(ops)
+    kernels = "q4i8:down,q8i8:lm_head"
+    assert bench_variants.main(["--variants", ",".join(names), "--rows", "4", "--turns", "2", "--kernels", kernels]) == 0
+    lines = re.findall(r"^(q4i8 down|q8i8 lm_head)\s+4\s+(.*)$", capsys.readouterr().out, re.MULTILINE)
+    assert [kernel for kernel, _ in lines] == ["q4i8 down", "q8i8 lm_head"]
+    for _, figures in lines:
+        rates, ratios = figures.split()[: len(names)], figures.split()[len(names) :]
+        assert all(float(r) > 0 for r in rates) and len(ratios) == len(names) - 1
+    assert ops.isa() == f"isa_{names[0]}" or names[0] == "baseline"  # the best variant again afterwards
+
+
+def test_a_variant_the_cpu_lacks_is_refused_by_name() -> None:
+    with pytest.raises(SystemExit, match="cannot run the avx1024 kernels"):
+        bench_variants.main(["--variants", "avx1024", "--turns", "1"])
