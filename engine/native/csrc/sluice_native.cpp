@@ -31,31 +31,27 @@
 
 typedef int vi8 __attribute__((vector_size(32)));
 
-// The Q8 layout's two chunks of 16 columns' byte pairs as per-column quads, in plain C at file scope: the avx2 and
-// baseline variants compile the int8 lm_head kernel but never run it (their int16 kernel takes the int8 values);
-// AVX-512 has its own, one permute, which hides this one inside its namespace.
-inline vi pair_chunks_to_quads(const signed char* p) {
-  vi v;
-  for (int c = 0; c < 16; c++)
+// The Q8 layout's byte pairs of a chunk's columns (k, k + 1) and of the next chunk's, 32 bytes on (k + 2, k + 3), as
+// per-column quads, one lane a column (16 lanes: a tile's whole chunk; 8: half of it), in plain C at file scope: the
+// variants without the instruction the int8 lm_head kernels need compile them but never run them (their int16 kernel
+// takes the int8 values); AVX-512 and AVX-VNNI have their own, which hide these inside their namespaces.
+template <typename V>
+inline V pairs_to_quads_c(const signed char* p) {
+  V v;
+  for (int c = 0; c < (int)(sizeof(V) / 4); c++)
     v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
                  (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
   return v;
 }
+inline vi pair_chunks_to_quads(const signed char* p) { return pairs_to_quads_c<vi>(p); }
 
-// vpdpbusd on 8 lanes and the Q8 layout's quads on 8 (gemm8.inc's dot4_8 and pairs_to_quads8) in plain C, for the
-// variants without AVX-VNNI, which compile the 8-lane VNNI kernels but do not run them (HAS_VNNI8 is false there).
+// vpdpbusd on 8 lanes in plain C, for the variants without AVX-VNNI, which compile the 8-lane VNNI kernels but do
+// not run them (HAS_VNNI8 is false there).
 inline vi8 dot4_8_c(vi8 acc, vi8 u, vi8 s) {
   for (int i = 0; i < 8; i++)
     for (int b = 0; b < 4; b++)
       acc[i] += (int)(((unsigned)u[i] >> (8 * b)) & 0xFF) * (int)(signed char)(((unsigned)s[i] >> (8 * b)) & 0xFF);
   return acc;
-}
-inline vi8 pairs_to_quads8_c(const signed char* p) {
-  vi8 v;
-  for (int c = 0; c < 8; c++)
-    v[c] = (int)((unsigned)(unsigned char)p[2 * c] | (unsigned)(unsigned char)p[2 * c + 1] << 8 |
-                 (unsigned)(unsigned char)p[32 + 2 * c] << 16 | (unsigned)(unsigned char)p[33 + 2 * c] << 24);
-  return v;
 }
 
 #pragma GCC push_options
@@ -135,7 +131,7 @@ inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm2
 // int8 runs the 16-lane kernels: the 8-lane ones are compiled, not run
 constexpr bool HAS_VNNI8 = false;
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
-inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads8_c(p); }
+inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(p); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx512
@@ -149,7 +145,7 @@ namespace {
 constexpr bool HAS_VNNI8 = false;
 #include "avx2_helpers.inc"
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
-inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads8_c(p); }
+inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(p); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_avx2
@@ -283,7 +279,7 @@ inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed cha
 inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
 constexpr bool HAS_VNNI8 = false;
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
-inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads8_c(p); }
+inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(p); }
 }  // namespace
 #include "kernels.inc"
 }  // namespace isa_base
