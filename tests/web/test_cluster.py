@@ -203,8 +203,9 @@ def test_affine_routing_keeps_each_conversation_on_one_replica(cluster: ClusterS
 
 
 def test_every_replica_full_is_told_429_with_retry_after(cluster: ClusterServer) -> None:
-    # Each replica takes max_num_seqs (16) running plus max_pending (8) queued: 48 places in all.
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    # Each replica takes max_num_seqs (16) running plus max_pending (8) queued: 48 places in all. Requests long
+    # enough that the 64 overlap on a busy machine (at 100 tokens a CI run saw no 429: no moment had 48 in flight).
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=cluster.base_url, timeout=180) as client:
         with ThreadPoolExecutor(64) as pool:
             statuses = list(pool.map(lambda _: client.post("/v1/completions", json={**body, "stream": False}),
