@@ -343,21 +343,22 @@ def test_q8_layer_kernels_give_the_same_bits_on_every_simd_variant() -> None:
     assert all(torch.equal(outputs[0], y) for y in outputs[1:])
 
 
-def test_int8_kernels_give_the_same_bits_on_every_simd_variant() -> None:
-    """The VNNI kernels (16 lanes, and 8 with AVX-VNNI) and the pmaddubsw ones make the same integer sums and the
-    same float operations after them."""
+def test_q4_and_q8_kernels_give_the_same_bits_on_every_simd_variant_in_both_precisions() -> None:
+    """The VNNI kernels (16 lanes, and 8 with AVX-VNNI: vpdpbusd, vpdpwssd) and the pmaddubsw / pmaddwd ones make the
+    same integer sums and the same float operations after them."""
     isas = [isa for isa in SIMD_ISAS if isa in available_isas()]
     if len(isas) < 2:
         pytest.skip("this CPU runs only one of avx512, avxvnni and avx2")
     gen = torch.Generator().manual_seed(4)
     w, x = torch.randn(200, 1536, generator=gen), torch.randn(33, 1536, generator=gen)
-    q4 = pack_q4(w, None)
+    q4, q8 = pack_q4(w, None), pack_q8(w * 0.05)
     try:
         outs = []
         for isa in isas:
             ops.set_isa(isa)
             # 1 and 2 rows: a tile's whole lines in one pass on 8 lanes; 33: its 8-row halves, then 1
-            outs.append([ops.linear(x[:m], linear_spec(q4), 200, is_int8=True) for m in (1, 2, 33)])
+            outs.append([y for m in (1, 2, 33) for y in both_precisions(x[:m], linear_spec(q4), 200)])
+            outs[-1] += [ops.q8_linear(x[:m], q8.qs, q8.scale, 200, is_int8=False) for m in (1, 2, 33)]
     finally:
         ops.set_isa("best")
     assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))

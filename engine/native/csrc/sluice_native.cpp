@@ -108,11 +108,6 @@ constexpr int ATTN_REGS = 32;
 typedef vf native_vf;
 // 8-lane helpers (gemm8.inc, attention), AVX2 instructions.
 inline vi8 madd8(vi8 w, vi8 x) { return (vi8)_mm256_madd_epi16((__m256i)w, (__m256i)x); }
-inline vi8 madd_bcast8(vi8 w, const short* x) {
-  int pair;
-  __builtin_memcpy(&pair, x, 4);
-  return madd8(w, (vi8){} + pair);
-}
 inline vu8 load_u16x8(const unsigned short* p) { return (vu8)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline vf8 load_f16x8(const unsigned short* p) { return (vf8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline vi8 load_u8x8(const unsigned char* p) { return (vi8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -131,6 +126,7 @@ inline vi8 widen_pairs8(vs16 v) { return (vi8)_mm256_madd_epi16((__m256i)v, _mm2
 // int8 runs the 16-lane kernels: the 8-lane ones are compiled, not run
 constexpr bool HAS_VNNI8 = false;
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
+inline vi8 dot2_8(vi8 acc, vi8 w, vi8 x) { return acc + madd8(w, x); }
 inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(p); }
 }  // namespace
 #include "kernels.inc"
@@ -145,6 +141,7 @@ namespace {
 constexpr bool HAS_VNNI8 = false;
 #include "avx2_helpers.inc"
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
+inline vi8 dot2_8(vi8 acc, vi8 w, vi8 x) { return acc + madd8(w, x); }
 inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(p); }
 }  // namespace
 #include "kernels.inc"
@@ -163,6 +160,8 @@ constexpr bool HAS_VNNI8 = true;
 #include "avx2_helpers.inc"
 // per lane, acc plus the 4 products of u's unsigned bytes with s's signed ones
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return (vi8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s); }
+// per lane, acc plus the 2 products of w's int16 pairs with x's
+inline vi8 dot2_8(vi8 acc, vi8 w, vi8 x) { return (vi8)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x); }
 // 16 bytes of the Q8 layout's pairs (8 columns' k, k + 1) and the 16 at p + 32 (k + 2, k + 3): per lane its quad
 inline vi8 pairs_to_quads8(const signed char* p) {
   const __m128i a = _mm_loadu_si128((const __m128i*)p), b = _mm_loadu_si128((const __m128i*)(p + 32));
@@ -240,11 +239,6 @@ inline vi8 madd8(vi8 w, vi8 x) {
                                      (__m128i)__builtin_shufflevector(x, x, 4, 5, 6, 7));
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7);
 }
-inline vi8 madd_bcast8(vi8 w, const short* x) {
-  int pair;
-  __builtin_memcpy(&pair, x, 4);
-  return madd8(w, (vi8){} + pair);
-}
 inline vu8 load_u16x8(const unsigned short* p) { return widen<vu8>(p); }
 inline vf8 load_f16x8(const unsigned short* p) { return half_to_float<vu8, vf8>(load_u16x8(p)); }
 inline vi8 load_u8x8(const unsigned char* p) { return widen<vi8>(p); }
@@ -279,6 +273,7 @@ inline vi dot4(vi acc, vi w, vi x) { return dot4_bcast(acc, w, (const signed cha
 inline vs16 maddubs8(vi8 w, vi8 x) { return maddubs_bcast8(w, (const signed char*)&x); }
 constexpr bool HAS_VNNI8 = false;
 inline vi8 dot4_8(vi8 acc, vi8 u, vi8 s) { return dot4_8_c(acc, u, s); }
+inline vi8 dot2_8(vi8 acc, vi8 w, vi8 x) { return acc + madd8(w, x); }
 inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(p); }
 }  // namespace
 #include "kernels.inc"
