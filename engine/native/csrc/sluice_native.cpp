@@ -148,10 +148,10 @@ inline vi8 pairs_to_quads8(const signed char* p) { return pairs_to_quads_c<vi8>(
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
-// AVX2 with AVX-VNNI (Intel cores since Alder Lake, the E-core Xeons (Sierra Forest), AMD since Zen 5; none of them
-// with AVX-512 where this variant is chosen): the avx2 kernels, but the 8-lane int8 GEMMs add each 4 byte products
-// into an int32 lane with one vpdpbusd (ymm) where AVX2 needs pmaddubsw, an int16 add and a widening. The same
-// integer sums, so the same bits.
+// AVX2 with AVX-VNNI and no AVX-512 (Intel's client cores since Alder Lake, its E-core Xeons such as Sierra Forest;
+// a CPU with AVX-512 takes that variant): the avx2 kernels, but the 8-lane int8 GEMMs add each 4 byte products into
+// an int32 lane with one vpdpbusd (ymm) where AVX2 needs pmaddubsw, an int16 add and a widening, and the int16 ones
+// take vpdpwssd for pmaddwd and an add. The same integer sums, so the same bits.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
 namespace isa_avxvnni {
