@@ -29,3 +29,18 @@ def test_every_variant_takes_its_turns_and_gets_a_rate_and_a_ratio(monkeypatch, 
 def test_a_variant_the_cpu_lacks_is_refused_by_name() -> None:
     with pytest.raises(SystemExit, match="cannot run the avx1024 kernels"):
         bench_variants.main(["--variants", "avx1024", "--turns", "1"])
+
+
+def test_builds_are_loaded_side_by_side_with_a_column_each(monkeypatch, capsys: pytest.CaptureFixture) -> None:
+    from engine.native import BUILD_DIR, MODULE_NAME
+
+    monkeypatch.setattr(bench_variants, "TURN_SECONDS", 0.001)
+    build = str(BUILD_DIR / f"{MODULE_NAME}.so")
+    best = available_isas(ops)[0]
+    argv = ["--builds", f"{build},{build}", "--variants", best, "--rows", "2", "--turns", "1", "--kernels", "q4i8:down"]
+    assert bench_variants.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"{MODULE_NAME}.so:{best}" in printed
+    (figures,) = re.findall(r"^q4i8 down\s+2\s+(.*)$", printed, re.MULTILINE)
+    rates, ratio = figures.split()[:2], figures.split()[2:]
+    assert all(float(r) > 0 for r in rates) and len(ratio) == 1
