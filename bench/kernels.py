@@ -145,25 +145,24 @@ def packed_layer(kind: str, w: torch.Tensor):
     return pack_q4(w, None)
 
 
-def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, opts) -> list[Row]:
+def packed_gemm(ops, kind: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """w [N, K] packed as `kind` (see Shape): the call that multiplies rows of activations by it, and its weight
+    bytes."""
     from engine.native.packing import linear_spec, pack_q8
 
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(shape.n, shape.k, generator=gen) * 0.05
-    if shape.kind not in ("q8", "q8i8"):
-        p = packed_layer(shape.kind, w)
-        weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
-        is_int8 = shape.kind in INT8_KINDS
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return ops.linear(x, linear_spec(p), shape.n, is_int8=is_int8)
-    else:
+    n = w.shape[0]
+    if kind in ("q8", "q8i8"):
         p8 = pack_q8(w)
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2
+        return (lambda x: ops.q8_linear(x, p8.qs, p8.scale, n, is_int8=kind == "q8i8")), weight_bytes
+    p = packed_layer(kind, w)
+    weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
+    return (lambda x: ops.linear(x, linear_spec(p), n, is_int8=kind in INT8_KINDS)), weight_bytes
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return ops.q8_linear(x, p8.qs, p8.scale, shape.n, is_int8=shape.kind == "q8i8")
 
+def gemm_rows(ops, variant: str, shape: Shape, rows: list[int], peaks: Peaks, opts) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    run, weight_bytes = packed_gemm(ops, shape.kind, torch.randn(shape.n, shape.k, generator=gen) * 0.05)
     out = []
     for m in rows:
         x = torch.randn(m, shape.k, generator=gen)

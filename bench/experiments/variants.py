@@ -31,21 +31,8 @@ DEFAULT_KERNELS = "q4i8:gate_up,q4i8:down,q4k:down,q6:down,q8i8:lm_head"
 TURN_SECONDS = 0.02
 
 
-def gemm(ops, kind: str, k: int, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    from bench.kernels import INT8_KINDS, packed_layer
-    from engine.native.packing import linear_spec, pack_q8
-
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
-    if kind in ("q8", "q8i8"):
-        p8 = pack_q8(w)
-        return lambda x: ops.q8_linear(x, p8.qs, p8.scale, n, is_int8=kind == "q8i8")
-    p = packed_layer(kind, w)
-    return lambda x: ops.linear(x, linear_spec(p), n, is_int8=kind in INT8_KINDS)
-
-
-def load_build(path: str, into: Path) -> ModuleType:
-    """The extension at `path`, loaded from a copy of its own (one dlopen per file, so builds do not share code)."""
-    copy = into / f"{len(list(into.iterdir()))}_{Path(path).name}"
+def load_build(path: str, copy: Path) -> ModuleType:
+    """The extension at `path`, loaded from `copy`, a file of its own (one dlopen per file: builds share no code)."""
     shutil.copy(path, copy)
     spec = importlib.util.spec_from_file_location("sluice_native", copy)
     module = importlib.util.module_from_spec(spec)
@@ -84,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--builds", default="", help="native extension files to compare, comma-separated")
     args = parser.parse_args(argv)
 
-    from bench.kernels import cpu_name
+    from bench.kernels import cpu_name, packed_gemm
     from engine.native import available_isas, native_ops
 
     ops = native_ops()
@@ -97,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"this CPU cannot run the {', '.join(missing)} kernels (it can run: {', '.join(runnable)})")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        builds = [(Path(b).name, load_build(b, Path(tmp))) for b in args.builds.split(",") if b] or [("", ops)]
+        paths = [b for b in args.builds.split(",") if b]
+        builds = [(Path(b).name, load_build(b, Path(tmp) / f"{i}.so")) for i, b in enumerate(paths)] or [("", ops)]
         labels = [f"{name}:{v}" if name else v for name, _ in builds for v in variants]
         print(f"{cpu_name()}; one thread, CPU time; {args.turns} turns of {TURN_SECONDS * 1e3:.0f} ms per column")
         print(f"{'kernel':16s} rows " + " ".join(f"{c:>9s}" for c in labels) + "  (G multiply-adds/s; ratio to the first)")
@@ -105,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.kernels.split(","):
             kind, shape = spec.split(":")
             k, n = SHAPES[shape]
-            runs = [(build, gemm(build, kind, k, n)) for _, build in builds]
+            w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+            runs = [(build, packed_gemm(build, kind, w)[0]) for _, build in builds]
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, generator=gen)
                 columns = [(build, v, (lambda r: lambda: r(x))(run)) for build, run in runs for v in variants]
