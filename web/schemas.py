@@ -243,6 +243,11 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "function_call is not supported by this server: use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            # OpenAI's rule: only an assistant's message that made tool calls may come without content
+            if message.content is None and not (message.role == "assistant" and message.tool_calls):
+                raise APIError(400, f"messages.{i}.content: required in a message of role {message.role!r}",
+                               param=f"messages.{i}.content")  # fmt: skip
         choice, name = self.tool_choice_kind()
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):

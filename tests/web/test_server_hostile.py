@@ -107,6 +107,9 @@ def test_an_integer_past_64_bits_gets_a_400_that_says_so(http: httpx.Client, fie
          "messages.0.content.0.type", "'text', got 'image_url'"),
         ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content.0.text", "Field required"),
         ({"role": "robot", "content": "hi"}, "messages.0.role", "got 'robot'"),
+        ({"role": "user"}, "messages.0.content", "required in a message of role 'user'"),
+        ({"role": "system", "content": None}, "messages.0.content", "required in a message of role 'system'"),
+        ({"role": "assistant", "content": None}, "messages.0.content", "required in a message of role 'assistant'"),
     ],  # fmt: skip
 )
 def test_a_chat_message_the_server_cannot_take_gets_a_400_naming_its_part(
