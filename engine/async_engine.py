@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -32,6 +32,7 @@ from anyio.abc import TaskStatus
 from engine.batch import StepOutput
 from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
+from engine.input_slot import InputSlot, chat_size, prompt_size
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream, Request, RequestState, abort_abandoned
 from engine.sampling_params import SamplingParams
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 ENGINE_FAILED = "the engine failed; the server is shutting down"
 WATCHDOG_INTERVAL = 0.25  # seconds between the watchdog's looks at the step and the readers
 STOP_MARGIN = 2.0  # seconds a stopping loop may still spend finishing its forward pass before it is abandoned
@@ -146,7 +146,7 @@ class AsyncEngine:
         self._stop_requested = False
         self._all_finished: anyio.Event | None = None  # set during drain once no request is left
         self._loop_done = anyio.Event()
-        self._input_slot = anyio.CapacityLimiter(1)  # tokenization and templates: never more than one thread
+        self._inputs = InputSlot()
         self._forward_slot = anyio.CapacityLimiter(1)
         self._forward_scope: anyio.CancelScope | None = None
         self._forward_started: float | None = None  # monotonic start of the running forward pass
@@ -189,28 +189,32 @@ class AsyncEngine:
         )
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        """Tokenize and check in a worker thread. InvalidRequest: bad input; EngineUnavailable: 503."""
+        """Tokenize and check (see input_slot). InvalidRequest: bad input; EngineUnavailable: 503."""
         processor = self._ready_engine().input_processor
-        return await self._off_loop(partial(processor.process_prompt, request_id, prompt, params))
+        work = partial(processor.process_prompt, request_id, prompt, params)
+        return await self._inputs.run(work, prompt_size(prompt))
 
     async def prepare_chat(
         self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
     ) -> PreparedRequest:
         processor = self._ready_engine().input_processor
-        return await self._off_loop(partial(processor.process_chat, request_id, messages, params, **template_kwargs))
+        work = partial(processor.process_chat, request_id, messages, params, **template_kwargs)
+        return await self._inputs.run(work, chat_size(messages, template_kwargs))
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text to token ids, in a worker thread (what /tokenize does)."""
+        """Text to token ids (what /tokenize does)."""
         processor = self._ready_engine().input_processor
-        return await self._off_loop(partial(processor.encode_prompt, text, add_special_tokens=add_special_tokens))
+        work = partial(processor.encode_prompt, text, add_special_tokens=add_special_tokens)
+        return await self._inputs.run(work, prompt_size(text))
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
         processor = self._ready_engine().input_processor
-        return await self._off_loop(partial(processor.encode_chat, messages, **template_kwargs))
+        work = partial(processor.encode_chat, messages, **template_kwargs)
+        return await self._inputs.run(work, chat_size(messages, template_kwargs))
 
     async def decode(self, token_ids: list[int]) -> str:
         processor = self._ready_engine().input_processor
-        return await self._off_loop(partial(processor.decode, token_ids))
+        return await self._inputs.run(partial(processor.decode, token_ids), prompt_size(token_ids))
 
     def reserve(self, num_requests: int = 1) -> Reservation:
         """Hold admission slots for requests about to be prepared. QueueFull: 429; EngineUnavailable: 503."""
@@ -430,9 +434,6 @@ class AsyncEngine:
         if self._state is not EngineState.READY or self._engine is None:
             raise EngineUnavailable(self._state)
         return self._engine
-
-    async def _off_loop(self, work: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(work, limiter=self._input_slot)
 
     def _has_unfinished(self) -> bool:
         return any(not request.is_finished for request in self._requests.values())

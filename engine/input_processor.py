@@ -1,8 +1,9 @@
 """Requests in: chat template, tokenization and every check, once, producing a PreparedRequest.
 
-Pure CPU work with no engine state, so the server runs it in a worker thread. Size limits that need no
-tokenizer are checked first: a prompt longer than max_model_len tokens of the vocabulary's longest token
-cannot fit, so megabytes of text are rejected before anyone tokenizes them.
+Pure CPU work with no engine state, so the server runs it on its event loop or in a worker thread by the input's
+size (engine/input_slot.py). Size limits that need no tokenizer are checked first: a prompt longer than
+max_model_len tokens of the vocabulary's longest token cannot fit, so megabytes of text are rejected before
+anyone tokenizes them.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -30,6 +30,7 @@ from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reser
 from engine.config import SluiceConfig
 from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
+from engine.input_slot import InputSlot, chat_size, prompt_size
 from engine.outputs import FinishReason
 from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
@@ -37,7 +38,6 @@ from web.cluster.router import Router, prompt_block_hashes
 from web.cluster.stats import ClusterStats, ReplicaStats
 
 logger = logging.getLogger("sluice.cluster")
-T = TypeVar("T")
 
 POLL_INTERVAL = 0.2  # seconds between two reports of each replica's load
 POLL_TIMEOUT = 2.0  # a replica that does not answer within this leaves the routing until it does
@@ -94,7 +94,7 @@ class ClusterEngine:
         self._tg: TaskGroup | None = None
         self._stop = anyio.Event()
         self._all_finished: anyio.Event | None = None
-        self._input_slot = anyio.CapacityLimiter(1)
+        self._inputs = InputSlot()
         self.is_forward_abandoned = False  # no forward pass runs in this process
 
     # -- the face the routes use ---------------------------------------------------------------------------
@@ -120,22 +120,25 @@ class ClusterEngine:
         return self._loaded().max_model_len
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        return await self._off_loop(partial(self._ready().process_prompt, request_id, prompt, params))
+        work = partial(self._ready().process_prompt, request_id, prompt, params)
+        return await self._inputs.run(work, prompt_size(prompt))
 
     async def prepare_chat(
         self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
     ) -> PreparedRequest:
-        processor = self._ready()
-        return await self._off_loop(partial(processor.process_chat, request_id, messages, params, **template_kwargs))
+        work = partial(self._ready().process_chat, request_id, messages, params, **template_kwargs)
+        return await self._inputs.run(work, chat_size(messages, template_kwargs))
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._off_loop(partial(self._ready().encode_prompt, text, add_special_tokens=add_special_tokens))
+        work = partial(self._ready().encode_prompt, text, add_special_tokens=add_special_tokens)
+        return await self._inputs.run(work, prompt_size(text))
 
     async def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
-        return await self._off_loop(partial(self._ready().encode_chat, messages, **template_kwargs))
+        work = partial(self._ready().encode_chat, messages, **template_kwargs)
+        return await self._inputs.run(work, chat_size(messages, template_kwargs))
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._off_loop(partial(self._ready().decode, token_ids))
+        return await self._inputs.run(partial(self._ready().decode, token_ids), prompt_size(token_ids))
 
     def reserve(self, num_requests: int = 1) -> Reservation:
         """Slots for requests about to be prepared: a replica takes max_num_seqs running plus max_pending
@@ -378,9 +381,6 @@ class ClusterEngine:
         if not any(s.is_ready for s in self._slots):
             raise EngineUnavailable(EngineState.LOADING)  # every replica is restarting
         return self._processor
-
-    async def _off_loop(self, work: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(work, limiter=self._input_slot)
 
 
 def _take_back_signals() -> None:
