@@ -36,6 +36,8 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
     current = asyncio.current_task()
     outputs.request.on_read_timeout = current.cancel if current is not None else None
     num_open = outputs.request.num_choices  # a finish chunk per choice; the stream ends after the last
+    # The events of one output leave in one write (the last token's delta, its finish chunk, the usage and [DONE]
+    # together): each write is a trip through Hypercorn and a send call on the event loop, which 64 streams share.
     try:
         async with outputs:
             for chunk in fmt.opening_chunks(outputs.request.num_choices):
@@ -43,21 +45,23 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
             async for output in outputs:
                 timer.observe(output)
                 if output.finish_reason is FinishReason.ERROR:
-                    yield engine_error_event(output.error or "the engine failed")
+                    last = engine_error_event(output.error or "the engine failed")
                     break
-                for chunk in fmt.delta_chunks(output):
-                    yield sse_event(chunk)
+                events = [sse_event(chunk) for chunk in fmt.delta_chunks(output)]
                 if output.finished:
-                    yield sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP, output.index))
+                    events.append(sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP, output.index)))
                     num_open -= 1
                     if not num_open:
                         if fmt.include_usage:
-                            yield sse_event(fmt.usage_chunk(Usage.of_request(outputs.request)))
+                            events.append(sse_event(fmt.usage_chunk(Usage.of_request(outputs.request))))
+                        last = b"".join(events)
                         break
+                if events:
+                    yield b"".join(events)
             else:
                 timer.end(FinishReason.ERROR)
-                yield engine_error_event("the request ended without a result")
-            yield DONE
+                last = engine_error_event("the request ended without a result")
+            yield last + DONE
     finally:
         if not timer.ended:  # the client left, or was cut off for not reading
             timer.end(FinishReason.ABORT)
