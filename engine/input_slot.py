@@ -10,15 +10,21 @@ at a time either way: the tokenizer is never used from two threads at once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 T = TypeVar("T")
 
-# Characters (or token ids) prepared on the event loop: ~2,000 tokens, about a millisecond of the loop's time.
-MAX_INLINE_SIZE = 8192
+# Characters (or token ids) prepared on the event loop: ~400 tokens. A chat of 2,000 characters took 1.9 ms p50
+# (300 characters: 0.6 ms; 8,192: 6 ms) on a 2-core Xeon guest (bench/RESULTS.md, 2026-11-27, sixteenth session).
+MAX_INLINE_SIZE = 2048
+# An inline job that took longer than this lets the loop run its other tasks before its caller goes on, so that
+# the prompts of one request (a completion may carry many) are not prepared back to back without a pause.
+YIELD_AFTER_SECONDS = 0.001
 
 
 class InputSlot:
@@ -34,10 +40,14 @@ class InputSlot:
             except anyio.WouldBlock:
                 pass  # a large job is being prepared: wait in line behind it
             else:
+                start = time.perf_counter()
                 try:
-                    return work()
+                    result = work()
                 finally:
                     self._limiter.release()
+                if time.perf_counter() - start > YIELD_AFTER_SECONDS:
+                    await anyio.lowlevel.checkpoint()
+                return result
         return await anyio.to_thread.run_sync(work, limiter=self._limiter)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import anyio
 import pytest
@@ -80,3 +81,35 @@ def test_sizes_follow_the_text_the_template_renders() -> None:
     tools = {"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 5000}}]}
     assert chat_size(short, tools) > 5000
     assert chat_size("not a list", {}) == 0  # type: ignore[arg-type]
+
+
+async def test_a_long_inline_job_lets_the_loop_run_others_before_the_next() -> None:
+    slot = InputSlot(max_inline_size=100)
+    order: list[str] = []
+
+    def slow(name: str) -> None:
+        time.sleep(0.005)  # longer than YIELD_AFTER_SECONDS
+        order.append(name)
+
+    async def other() -> None:
+        order.append("other")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)  # ready to run, behind this task
+        await slot.run(lambda: slow("first"), size=1)
+        await slot.run(lambda: slow("second"), size=1)
+    assert order == ["first", "other", "second"]
+
+
+async def test_a_quick_inline_job_keeps_the_loop() -> None:
+    slot = InputSlot(max_inline_size=100)
+    order: list[str] = []
+
+    async def other() -> None:
+        order.append("other")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        await slot.run(lambda: order.append("first"), size=1)
+        await slot.run(lambda: order.append("second"), size=1)
+    assert order == ["first", "second", "other"]
