@@ -4,6 +4,7 @@ replica and drain the front."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -203,13 +204,16 @@ def test_affine_routing_keeps_each_conversation_on_one_replica(cluster: ClusterS
 
 
 def test_every_replica_full_is_told_429_with_retry_after(cluster: ClusterServer) -> None:
-    # Each replica takes max_num_seqs (16) running plus max_pending (8) queued: 48 places in all. Requests long
-    # enough that the 64 overlap on a busy machine (at 100 tokens a CI run saw no 429: no moment had 48 in flight).
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=cluster.base_url, timeout=180) as client:
-        with ThreadPoolExecutor(64) as pool:
-            statuses = list(pool.map(lambda _: client.post("/v1/completions", json={**body, "stream": False}),
-                                     range(64)))  # fmt: skip
+    # Each replica takes max_num_seqs (16) running plus max_pending (8) queued: 48 places in all. 96 requests sent
+    # at once from one event loop (threads spread them over the time the tiny model takes to answer a few).
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 400, "ignore_eos": True}
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=180,
+                                     limits=httpx.Limits(max_connections=96)) as client:  # fmt: skip
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(96)))
+
+    statuses = asyncio.run(send_all())
     rejected = [r for r in statuses if r.status_code == 429]
     assert rejected and all(r.headers["Retry-After"] for r in rejected)
     assert all(r.status_code in (200, 429) for r in statuses)

@@ -2,10 +2,12 @@
 (reserve / generate / abort / stats / prepare_* / run / drain), so that the HTTP layer does not change.
 
 The front tokenizes and checks here (the replicas' tokenizer travels to it), routes each prepared request to
-one replica (web/cluster/router.py), and pumps that replica's deltas into a local Request (engine/request.py),
-whose OutputStream the SSE writer reads exactly as it reads a local engine's. Every request's stream ends once:
-the replica's finish, an abort (client gone, drain: the replica's stream is cancelled, which frees its KV
-before its next step), or an error event when the replica fails (its process died). A failed replica leaves
+one replica (web/cluster/router.py) and submits it there; one stream a replica (web/cluster/replica.py's
+outputs()) brings back the deltas of all of this front's requests there, every delta that was ready in one
+item, and each goes into its local Request (engine/request.py), whose OutputStream the SSE writer reads exactly
+as it reads a local engine's. Every request's stream ends once: the replica's finish, an abort (client gone,
+drain: the replica is told, and frees its KV before its next step), or an error event when the replica fails
+(its process died, and with it the stream). A failed replica leaves
 the routing at once and rejoins when it answers again (Ray Serve restarts it; a new process forgets its prefix
 memory).
 Only the event-loop thread touches this state; Ray calls are awaited, never blocking the loop, except the
@@ -18,6 +20,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -31,7 +34,7 @@ from engine.config import SluiceConfig
 from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.input_slot import InputSlot, chat_size, prompt_size
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
 from web.cluster.router import Router, prompt_block_hashes
@@ -58,6 +61,7 @@ class ReplicaSlot:
     num_in_flight: int = 0  # requests this front has sent there and not yet ended
     num_restarts: int = 0
     failed_at: float | None = None  # monotonic time of the last failure seen in one of its streams
+    listener: anyio.CancelScope | None = None  # the reader of its outputs() stream, while one runs
 
     @property
     def load(self) -> int:
@@ -69,7 +73,7 @@ class ReplicaSlot:
 class _InFlight:
     request: Request
     slot: ReplicaSlot
-    scope: anyio.CancelScope
+    is_submitted: bool = False  # the replica has it: ending it early means telling the replica
 
 
 class ClusterEngine:
@@ -95,6 +99,7 @@ class ClusterEngine:
         self._stop = anyio.Event()
         self._all_finished: anyio.Event | None = None
         self._inputs = InputSlot()
+        self._front_id = uuid.uuid4().hex  # names this front's requests and output stream to the replicas
         self.is_forward_abandoned = False  # no forward pass runs in this process
 
     # -- the face the routes use ---------------------------------------------------------------------------
@@ -160,7 +165,7 @@ class ClusterEngine:
         self._num_reserved -= num_slots
 
     def abort(self, request_id: str) -> bool:
-        """End a request now ("abort"); its replica's stream is cancelled. Idempotent."""
+        """End a request now ("abort"); its replica is told. Idempotent."""
         return self._end(request_id, FinishReason.ABORT)
 
     def stats(self) -> ClusterStats:
@@ -197,6 +202,7 @@ class ClusterEngine:
                 await self._poll_until_stopped()
                 tg.cancel_scope.cancel()
         finally:
+            self._tg = None
             if self._state is not EngineState.DRAINING:
                 self._end_everything(FinishReason.ABORT)
             with anyio.CancelScope(shield=True):
@@ -285,6 +291,9 @@ class ClusterEngine:
         slot.stats = stats
         slot.is_ready = stats.state == EngineState.READY.value
         slot.failed_at = None
+        if slot.is_ready and slot.listener is None and self._tg is not None:
+            slot.listener = anyio.CancelScope()
+            self._tg.start_soon(self._listen, slot, slot.listener)
 
     def _abort_unread(self) -> None:
         """A client that leaves its output unread past client_read_timeout is aborted, as by one process."""
@@ -292,7 +301,7 @@ class ClusterEngine:
 
     # -- one request ----------------------------------------------------------------------------------------
     def queue(self, shell: Request, request: PreparedRequest) -> OutputStream:
-        """Route and start pumping (Reservation.generate calls this with a slot held): the slot moves from the
+        """Route and submit (Reservation.generate calls this with a slot held): the slot moves from the
         requests being prepared to those in flight."""
         self._ready()
         router = self._router
@@ -309,35 +318,71 @@ class ClusterEngine:
         shell.bind(request)
         shell.start()  # the replica queues it
         self._num_reserved -= 1
-        scope = anyio.CancelScope()
-        self._requests[request.request_id] = _InFlight(shell, slot, scope)
+        flight = _InFlight(shell, slot)
+        self._requests[request.request_id] = flight
         slot.num_in_flight += 1
         # A grammar matcher cannot travel; the replica compiles its own from params.structured_outputs.
         wire = replace(request, matcher=None) if request.matcher is not None else request
-        self._tg.start_soon(self._pump, wire, shell, slot, scope)
+        self._tg.start_soon(self._submit, wire, flight)
         return OutputStream(shell, self.abort)
 
-    async def _pump(self, request: PreparedRequest, stream: Request, slot: ReplicaSlot, scope: anyio.CancelScope) -> None:
-        responses = None
+    async def _submit(self, request: PreparedRequest, flight: _InFlight) -> None:
+        request_id, slot = request.request_id, flight.slot
         try:
-            with scope:
-                responses = slot.handle.options(stream=True).generate.remote(request)
-                async for output in responses:
-                    if not stream.push(output) or stream.is_finished:
-                        break
-                else:
-                    self._end(request.request_id, FinishReason.ERROR, REPLICA_FAILED)
+            await slot.handle.submit.remote(self._front_id, request)
         except QueueFull:  # only when other fronts share this replica and filled it meanwhile
-            self._end(request.request_id, FinishReason.ERROR, REPLICA_FULL)
+            self._end(request_id, FinishReason.ERROR, REPLICA_FULL)
         except Exception as error:
             self._replica_failed(slot, error)
-            self._end(request.request_id, FinishReason.ERROR, REPLICA_FAILED)
-        finally:
-            if responses is not None and not stream.is_finished:
-                responses.cancel()  # the replica's generator gets CancelledError and frees the request
-            slot.num_in_flight -= 1
-            if stream.is_finished or stream.is_reader_gone:
-                self._forget(request.request_id)
+            self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
+        else:
+            flight.is_submitted = True
+            if self._requests.get(request_id) is not flight:  # ended while it travelled: now the replica has it
+                self._tell_abort(slot, request_id)
+
+    async def _listen(self, slot: ReplicaSlot, scope: anyio.CancelScope) -> None:
+        """Read the replica's stream of this front's deltas, each item every delta that was ready together; its
+        failure (the replica died) ends that replica's requests with an error, and the slot leaves the routing."""
+        batches = None
+        failure: Exception | None = None
+        with scope:
+            try:
+                batches = slot.handle.options(stream=True).outputs.remote(self._front_id)
+                async for batch in batches:
+                    for request_id, output in batch:
+                        self._deliver(slot, request_id, output)
+                failure = RuntimeError("the replica ended its output stream")
+            except Exception as error:
+                failure = error
+            finally:
+                if batches is not None:
+                    batches.cancel()
+                if slot.listener is scope:
+                    slot.listener = None
+        if failure is not None:
+            self._replica_failed(slot, failure)
+            for request_id in [r for r, flight in self._requests.items() if flight.slot is slot]:
+                self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
+
+    def _deliver(self, slot: ReplicaSlot, request_id: str, output: RequestOutput) -> None:
+        flight = self._requests.get(request_id)
+        if flight is None or flight.slot is not slot:
+            return  # ended here already (the replica was told)
+        if not flight.request.push(output):  # the reader is gone
+            self._end(request_id, FinishReason.ABORT)
+        elif flight.request.is_finished:
+            self._forget(request_id)
+
+    def _tell_abort(self, slot: ReplicaSlot, request_id: str) -> None:
+        if self._tg is not None:  # else the replicas are being shut down, and their requests with them
+            self._tg.start_soon(self._abort_there, slot, request_id)
+
+    async def _abort_there(self, slot: ReplicaSlot, request_id: str) -> None:
+        with anyio.move_on_after(POLL_TIMEOUT):
+            try:
+                await slot.handle.abort.remote(self._front_id, request_id)
+            except Exception as error:  # the replica is gone, and the request with it
+                logger.debug("replica %d: abort of %s not delivered (%s)", slot.index, request_id, error)
 
     def _replica_failed(self, slot: ReplicaSlot, error: BaseException) -> None:
         if slot.is_ready:
@@ -352,12 +397,17 @@ class ClusterEngine:
             self._forget(request_id)
             return False
         flight.request.end(reason, error)
-        flight.scope.cancel()
+        if flight.is_submitted and reason is not FinishReason.ERROR:  # an error came from the replica's side
+            self._tell_abort(flight.slot, request_id)
         self._forget(request_id)
         return True
 
     def _forget(self, request_id: str) -> None:
-        if self._requests.pop(request_id, None) is not None and not self._requests and self._all_finished:
+        flight = self._requests.pop(request_id, None)
+        if flight is None:
+            return
+        flight.slot.num_in_flight -= 1
+        if not self._requests and self._all_finished:
             self._all_finished.set()
 
     def _end_everything(self, reason: FinishReason) -> None:

@@ -1,8 +1,10 @@
 """One engine replica: an AsyncEngine (its own KV pool and prefix cache) inside a Ray Serve deployment.
 
-The front sends it prepared requests (tokenized and checked there) and reads its deltas back through a
-streaming deployment handle. Cancelling that stream (the client left, or the front drains) raises
-CancelledError in generate(), which closes the request's stream: the engine frees it before its next step.
+The front sends it prepared requests (tokenized and checked there) with submit() and reads the deltas of all of
+them back through one streaming call per front, outputs(): each item is every delta that was ready, typically
+one step's deltas of every request, so a step of 64 streams costs one Ray item, not 64. abort() (the client
+left, or the front drains) closes a request's output stream: the engine frees it before its next step. A front
+whose outputs() call ends (cancelled, or the front died) has every request it sent here aborted.
 A failed engine loop or a stalled step ends the process (exit code 1), as a single server would exit, and Ray
 Serve starts a replacement; check_health() reports the same state to Ray Serve's health checks.
 
@@ -25,6 +27,7 @@ from engine.async_engine import AsyncEngine, EngineState
 from engine.config import SluiceConfig
 from engine.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
+from engine.request import OutputStream
 from web.cluster.stats import ReplicaStats
 
 if TYPE_CHECKING:
@@ -70,6 +73,7 @@ class EngineReplica:
         self.index = index
         self.config = config
         self._loaded: list[LLMEngine] = []
+        self._fronts: dict[str, FrontChannel] = {}  # front id -> its requests' deltas
 
         def load() -> LLMEngine:
             self._loaded.append(LLMEngine(config.engine))
@@ -140,14 +144,30 @@ class EngineReplica:
             num_prefix_hits=blocks.num_prefix_hits,
         )
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        """The request's deltas, as the engine coalesces them; QueueFull when this replica is full."""
+    async def submit(self, front_id: str, request: PreparedRequest) -> None:
+        """Queue the request; its deltas go out on that front's outputs(). QueueFull when this replica is full."""
         if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
             compiler = self._llm.input_processor.grammar_compiler
             request = replace(request, matcher=compiler.compile(request.params.structured_outputs))
-        async with self.engine.generate(request) as outputs:  # closing it (a cancelled stream) aborts
-            async for output in outputs:
-                yield output
+        channel = self._fronts.setdefault(front_id, FrontChannel())
+        channel.add(self.engine.generate(request))
+
+    async def abort(self, front_id: str, request_id: str) -> None:
+        channel = self._fronts.get(front_id)
+        if channel is not None:
+            channel.abort(request_id)
+
+    async def outputs(self, front_id: str) -> AsyncIterator[list[tuple[str, RequestOutput]]]:
+        """Every delta of the front's requests as (request id, delta), in lists of what was ready together. Its
+        end (the front cancels it, or is gone) aborts every request the front has here."""
+        channel = self._fronts.setdefault(front_id, FrontChannel())
+        try:
+            while True:
+                yield await channel.next_batch()
+        finally:
+            if self._fronts.get(front_id) is channel:
+                del self._fronts[front_id]
+            channel.close()
 
     async def drain(self, timeout: float) -> None:
         await self.engine.drain(timeout)
@@ -159,6 +179,47 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         self._loop_task.cancel()
+
+
+class FrontChannel:
+    """One front's requests on this replica: a task a request moves its deltas into one list, which the front's
+    outputs() call takes whole."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[OutputStream, asyncio.Task[None]]] = {}
+        self._ready: list[tuple[str, RequestOutput]] = []
+        self._wakeup = asyncio.Event()
+
+    def add(self, outputs: OutputStream) -> None:
+        reader = asyncio.get_running_loop().create_task(self._read(outputs))
+        self._streams[outputs.request_id] = (outputs, reader)
+
+    async def _read(self, outputs: OutputStream) -> None:
+        try:
+            async for output in outputs:
+                self._ready.append((outputs.request_id, output))
+                self._wakeup.set()
+        finally:
+            outputs.close()  # an unfinished request (its reader cancelled) is aborted in the engine
+            self._streams.pop(outputs.request_id, None)
+
+    async def next_batch(self) -> list[tuple[str, RequestOutput]]:
+        while not self._ready:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+        batch, self._ready = self._ready, []
+        return batch
+
+    def abort(self, request_id: str) -> None:
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            outputs, reader = entry
+            outputs.close()  # at once, even if its reader has not started
+            reader.cancel()
+
+    def close(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
 
 
 class _Started:
