@@ -1,5 +1,9 @@
 """Time to response headers in a burst, measured by a lean client: `python -m bench burst --url URL --size 256`.
 
+With `--streams N` the same client keeps N streams going instead (a closed loop: each sends its next request when
+its last one ends, `--size` requests in all), so the headers' time is the server's while it streams to N others;
+the first wave (N at once) is reported apart.
+
 httpx costs the load generator about a millisecond of its own event loop per request, which a burst of
 hundreds turns into latency the server never caused. Here every connection is opened first; then all requests
 are written at once as prebuilt bytes, and each one's time runs from its write to its status line. The same
@@ -48,6 +52,24 @@ async def burst(host: str, port: int, requests: list[bytes], timeout: float) -> 
     return [seconds for seconds, _ in results], {status for _, status in results}
 
 
+async def closed_loop(host: str, port: int, requests: list[bytes], streams: int,
+                      timeout: float) -> tuple[list[float], set[bytes]]:  # fmt: skip
+    """Seconds from write to status line of each request, in sending order, with `streams` in flight at a time."""
+    start = asyncio.Event()
+    start.set()
+    times: list[float] = [0.0] * len(requests)
+    statuses: set[bytes] = set()
+    queue = iter(range(len(requests)))
+
+    async def stream() -> None:
+        for i in queue:
+            times[i], status = await _one(host, port, requests[i], start, timeout)
+            statuses.add(status)
+
+    await asyncio.gather(*(stream() for _ in range(streams)))
+    return times, statuses
+
+
 def post(path: str, body: dict) -> bytes:
     data = orjson.dumps(body)
     head = f"POST {path} HTTP/1.1\r\nhost: sluice\r\nconnection: close\r\ncontent-type: application/json\r\n"
@@ -61,10 +83,19 @@ def report(name: str, latencies: list[float], statuses: set[bytes]) -> None:
           f"{', '.join(sorted(x.decode(errors='replace') for x in statuses))}")
 
 
-async def run(url: str, size: int, prompt_tokens: int, output_tokens: int, timeout: float) -> None:
+async def run(url: str, size: int, prompt_tokens: int, output_tokens: int, timeout: float, streams: int) -> None:
     host, port = hostile.require_loopback(url)
     async with make_client(1) as client:
         target = Target("sluice", url, await discover_model(client, Target("sluice", url)))
+    if streams:
+        options = RequestOptions("chat", 0.0, True, True, timeout)
+        specs = build_workload(size, LengthDist("fixed", prompt_tokens), LengthDist("fixed", output_tokens), seed=0)
+        requests = [post(endpoint_path(options), build_body(target, spec, options)) for spec in specs]
+        times, statuses = await closed_loop(host, port, requests, streams, timeout)
+        report(f"{streams} streaming chats at a time, {size} in all", times, statuses)
+        report(f"  their first wave ({streams} at once)", times[:streams], set())
+        report("  after it", times[streams:], set())
+        return
     health = [b"GET /health HTTP/1.1\r\nhost: sluice\r\nconnection: close\r\n\r\n"] * size
     report(f"burst of {size} GET /health", *await burst(host, port, health, timeout))
     options = RequestOptions("completions", 0.0, True, True, timeout)
@@ -81,8 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--streams", type=int, default=0, help="a closed loop of this many chat streams, not a burst")
     args = p.parse_args(argv)
-    asyncio.run(run(args.url, args.size, args.prompt_tokens, args.output_tokens, args.timeout))
+    asyncio.run(run(args.url, args.size, args.prompt_tokens, args.output_tokens, args.timeout, args.streams))
 
 
 if __name__ == "__main__":

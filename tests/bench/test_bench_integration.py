@@ -64,3 +64,14 @@ def test_burst_counts_every_request(sluice_url: str, tmp_path: Path) -> None:
     check_accounting(level, 24, 6)
     assert level["admission_s"]["n"] == 24
     assert all(r["status"] in (200, 429) for r in level["requests"])
+
+
+def test_lean_closed_loop_times_every_request(sluice_url: str) -> None:
+    command = [sys.executable, "-m", "bench", "burst", "--url", sluice_url, "--streams", "3", "--size", "7",
+               "--prompt-tokens", "8", "--output-tokens", "4"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("3 streaming chats at a time, 7 in all: 7 requests") and "HTTP/1.1 200" in lines[0]
+    assert lines[1].startswith("  their first wave (3 at once): 3 requests")
+    assert lines[2].startswith("  after it: 4 requests")
