@@ -161,13 +161,14 @@ class EngineReplica:
         """Every delta of the front's requests as (request id, delta), in lists of what was ready together. Its
         end (the front cancels it, or is gone) aborts every request the front has here."""
         channel = self._fronts.setdefault(front_id, FrontChannel())
+        reader = channel.take_over()  # a front that lost its stream and opened another: the old call ends here
         try:
-            while True:
-                yield await channel.next_batch()
+            while (batch := await channel.next_batch(reader)) is not None:
+                yield batch
         finally:
-            if self._fronts.get(front_id) is channel:
+            if channel.reader is reader:
                 del self._fronts[front_id]
-            channel.close()
+                channel.close()
 
     async def drain(self, timeout: float) -> None:
         await self.engine.drain(timeout)
@@ -182,13 +183,19 @@ class EngineReplica:
 
 
 class FrontChannel:
-    """One front's requests on this replica: a task a request moves its deltas into one list, which the front's
-    outputs() call takes whole."""
+    """One front's requests on this replica: each request's task moves its deltas into one list, which the front's
+    current outputs() call (its `reader`) takes whole."""
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[OutputStream, asyncio.Task[None]]] = {}
         self._ready: list[tuple[str, RequestOutput]] = []
         self._wakeup = asyncio.Event()
+        self.reader: object | None = None
+
+    def take_over(self) -> object:
+        self.reader = object()
+        self._wakeup.set()  # a superseded call waiting in next_batch() wakes up and ends
+        return self.reader
 
     def add(self, outputs: OutputStream) -> None:
         reader = asyncio.get_running_loop().create_task(self._read(outputs))
@@ -203,10 +210,13 @@ class FrontChannel:
             outputs.close()  # an unfinished request (its reader cancelled) is aborted in the engine
             self._streams.pop(outputs.request_id, None)
 
-    async def next_batch(self) -> list[tuple[str, RequestOutput]]:
-        while not self._ready:
+    async def next_batch(self, reader: object) -> list[tuple[str, RequestOutput]] | None:
+        """The deltas ready now (waiting for one); None once another reader has taken over."""
+        while self.reader is reader and not self._ready:
             await self._wakeup.wait()
             self._wakeup.clear()
+        if self.reader is not reader:
+            return None
         batch, self._ready = self._ready, []
         return batch
 
