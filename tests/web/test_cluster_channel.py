@@ -5,12 +5,14 @@ from the first without losing or aborting anything."""
 from __future__ import annotations
 
 import asyncio
+import warnings
 
 import pytest
 
 pytest.importorskip("ray", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
-
-from web.cluster.replica import FrontChannel  # noqa: E402
+with warnings.catch_warnings():  # Ray Serve's import warns about its own use of pydantic's deprecated Field
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from web.cluster.replica import FrontChannel
 
 
 class FakeStream:
