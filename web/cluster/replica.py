@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sluice.replica")
 FAILURE_FLUSH_SECONDS = 0.5  # the ended streams' last deltas reach the front before the process exits
+# A front's requests that no outputs() call reads (the front died between its submit and opening, or re-opening,
+# its stream) are aborted after this; a living front re-opens its stream within its poll of a few seconds.
+UNREAD_CHANNEL_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ class EngineReplica:
         self.index = index
         self.config = config
         self._loaded: list[LLMEngine] = []
-        self._fronts: dict[str, FrontChannel] = {}  # front id -> its requests' deltas
+        self._fronts = FrontChannels()
 
         def load() -> LLMEngine:
             self._loaded.append(LLMEngine(config.engine))
@@ -149,8 +152,7 @@ class EngineReplica:
         if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
             compiler = self._llm.input_processor.grammar_compiler
             request = replace(request, matcher=compiler.compile(request.params.structured_outputs))
-        channel = self._fronts.setdefault(front_id, FrontChannel())
-        channel.add(self.engine.generate(request))
+        self._fronts.for_submit(front_id).add(self.engine.generate(request))
 
     async def abort(self, front_id: str, request_id: str) -> None:
         channel = self._fronts.get(front_id)
@@ -160,15 +162,12 @@ class EngineReplica:
     async def outputs(self, front_id: str) -> AsyncIterator[list[tuple[str, RequestOutput]]]:
         """Every delta of the front's requests as (request id, delta), in lists of what was ready together. Its
         end (the front cancels it, or is gone) aborts every request the front has here."""
-        channel = self._fronts.setdefault(front_id, FrontChannel())
-        reader = channel.take_over()  # a front that lost its stream and opened another: the old call ends here
+        channel, reader = self._fronts.for_reader(front_id)
         try:
             while (batch := await channel.next_batch(reader)) is not None:
                 yield batch
         finally:
-            if channel.reader is reader:
-                del self._fronts[front_id]
-                channel.close()
+            self._fronts.end_reader(front_id, reader)
 
     async def drain(self, timeout: float) -> None:
         await self.engine.drain(timeout)
@@ -182,6 +181,45 @@ class EngineReplica:
         self._loop_task.cancel()
 
 
+class FrontChannels:
+    """The channels of the fronts that send requests here, by front id."""
+
+    def __init__(self, unread_seconds: float = UNREAD_CHANNEL_SECONDS) -> None:
+        self.unread_seconds = unread_seconds
+        self._channels: dict[str, FrontChannel] = {}
+
+    def get(self, front_id: str) -> FrontChannel | None:
+        return self._channels.get(front_id)
+
+    def for_submit(self, front_id: str) -> FrontChannel:
+        channel = self._channels.get(front_id)
+        if channel is None:
+            channel = self._channels[front_id] = FrontChannel()
+            asyncio.get_running_loop().call_later(self.unread_seconds, self._close_if_unread, front_id, channel)
+        return channel
+
+    def for_reader(self, front_id: str) -> tuple[FrontChannel, object]:
+        """The channel and a new reader token: a front that lost its stream and opened another takes over, and
+        the old call ends."""
+        channel = self._channels.setdefault(front_id, FrontChannel())
+        return channel, channel.take_over()
+
+    def end_reader(self, front_id: str, reader: object) -> None:
+        """The front's outputs() call ended (cancelled, or the front is gone): unless a newer call took over,
+        every request the front has here is aborted."""
+        channel = self._channels.get(front_id)
+        if channel is not None and channel.reader is reader:
+            del self._channels[front_id]
+            channel.close()
+
+    def _close_if_unread(self, front_id: str, channel: FrontChannel) -> None:
+        if channel.reader is None and self._channels.get(front_id) is channel:
+            logger.warning("front %s opened no output stream in %.0f s: its %d requests here are aborted",
+                           front_id, self.unread_seconds, channel.num_requests)  # fmt: skip
+            del self._channels[front_id]
+            channel.close()
+
+
 class FrontChannel:
     """One front's requests on this replica: each request's task moves its deltas into one list, which the front's
     current outputs() call (its `reader`) takes whole."""
@@ -191,6 +229,10 @@ class FrontChannel:
         self._ready: list[tuple[str, RequestOutput]] = []
         self._wakeup = asyncio.Event()
         self.reader: object | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
 
     def take_over(self) -> object:
         self.reader = object()
