@@ -58,9 +58,12 @@ async def completions() -> Response:
     params = body.to_sampling_params()
     fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage)
     prompts = body.prompts()
-    if len(prompts) > s.config.max_pending:
-        raise APIError(400, f"{len(prompts)} prompts: at most max_pending ({s.config.max_pending}) per request",
-                       param="prompt")  # fmt: skip
+    # One request runs no more sequences than the admission queue holds requests: a list of prompts times n would
+    # otherwise let one client put thousands of sequences ahead of everyone else.
+    if len(prompts) * params.n > s.config.max_pending:
+        what = f"{len(prompts)} prompts x n = {params.n}" if params.n > 1 else f"{len(prompts)} prompts"
+        raise APIError(400, f"{what}: at most max_pending ({s.config.max_pending}) sequences per request",
+                       param="n" if params.n > 1 else "prompt")  # fmt: skip
     with admit(s, entry, len(prompts)) as reservation:
         if len(prompts) == 1 and not body.echo:
             prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)

@@ -79,6 +79,8 @@ def raw_post(base_url: str, path: str, body: bytes) -> tuple[int, dict[str, Any]
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"prompt": [10**12]}, "prompt"),
         ({"prompt": "x" * (MAX_BODY_BYTES - 100)}, "prompt"),  # refused before any tokenization
+        ({"prompt": ["a", "b", "c"]}, "prompt"),  # more prompts than max_pending (2)
+        ({"prompt": ["a", "b"], "n": 2}, "n"),  # 4 sequences: one request may not hold more than the queue
     ],
 )
 def test_values_that_cannot_be_honoured_get_a_400_naming_the_parameter(
