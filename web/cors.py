@@ -14,7 +14,7 @@ from typing import Any
 from web.errors import error_body
 from web.json_response import send_json
 
-ALLOWED_METHODS = b"GET, POST, OPTIONS"
+ALLOWED_METHODS = b"GET, POST, DELETE, OPTIONS"  # DELETE: /v1/responses/{id}
 EXPOSED_HEADERS = b"Retry-After, WWW-Authenticate"
 PREFLIGHT_MAX_AGE_SECONDS = 600
 
