@@ -53,8 +53,10 @@ class LaunchedCluster:
 
 
 def start_local_ray() -> None:
-    """No dashboard, every Ray port on the loopback interface, the CPUs of this machine. Ray gives its raylet
-    30 s (fixed) to register; on a machine busy enough to miss that, the start is tried again."""
+    """No dashboard, the node known to Ray as 127.0.0.1, the CPUs of this machine. Ray's own servers (GCS,
+    raylet, workers) still listen on every interface: Ray has no setting to bind them to one (the README says to
+    firewall them). Ray gives its raylet 30 s (fixed) to register; on a machine busy enough to miss that, the start
+    is tried again."""
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             ray.init(
