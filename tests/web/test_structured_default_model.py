@@ -148,3 +148,21 @@ def test_a_named_function_then_its_result_and_a_final_answer(client: openai.Open
                                            temperature=0).choices[0]  # fmt: skip
     assert final.finish_reason == "stop" and final.message.content and not final.message.tool_calls
     assert "<tool_call>" not in final.message.content
+
+
+def test_required_calls_cut_by_max_tokens_leave_no_markup_streamed_or_not(client: openai.OpenAI) -> None:
+    for max_tokens in range(2, 36, 3):  # cuts in the opener, the name, the arguments, the closer, the next call
+        body = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=max_tokens, temperature=0)
+        whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+        assert whole.finish_reason == "length" and whole.message.content is None, (max_tokens, whole.message)
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        assert all(name in ("get_weather", "get_time") and arguments for name, arguments in calls), max_tokens
+        assert stream_text_and_calls(client, **body) == ("", calls, "length"), max_tokens
+
+
+def test_a_function_declared_without_parameters_is_called_without_arguments(client: openai.OpenAI) -> None:
+    for question, seed in [("Call f", 0), ("Ring the bell 3 times, loudly.", 1)]:  # once wrote arguments for these
+        body = dict(messages=[{"role": "user", "content": question}], tools=[{"type": "function", "function": {
+            "name": "f"}}], tool_choice="required", parallel_tool_calls=False, max_tokens=40, seed=seed)  # fmt: skip
+        whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+        assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("f", "{}")], seed

@@ -26,6 +26,24 @@ CASES = [
     (LLAMA3_JSON, ' Hello {"name": "f", "parameters": {}}', " Hello {\"name\": \"f\", \"parameters\": {}}", []),
     (LLAMA3_JSON, '{"nope": 1}', '{"nope": 1}', []),
     (GENERIC, "Just text.", "Just text.", []),
+    (HERMES, "Hello <tool_c", "Hello <tool_c", []),  # a cut opener after content is content
+    (LLAMA3_JSON, '{"answer": [4', '{"answer": [4', []),  # so is JSON cut short that is not a call
+]
+# Outputs cut short by max_tokens: no markup is content; a call without arguments yet is dropped.
+CUT_CASES = [
+    (GENERIC, "<tool_c", []),
+    (GENERIC, "<tool_call>", []),
+    (GENERIC, '<tool_call>{"name": "get_weather", "', []),
+    (GENERIC, '<tool_call>{"name": "get_weather", "arguments": ', []),
+    (GENERIC, '<tool_call>{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci')]),
+    (GENERIC, '<tool_call>{"name": "f", "arguments": {}}</tool_c', [("f", "{}")]),
+    (GENERIC, '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<', [("f", "{}")]),
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {}}\n</', [("f", "{}")]),
+    (HERMES, '<tool_call>\n{"arguments": {"x": 1}, "na', []),
+    (LLAMA3_JSON, "<|python_ta", []),
+    (LLAMA3_JSON, "<|python_tag|> ", []),
+    (LLAMA3_JSON, '{"name": "f", "parameters": {}}; ', [("f", "{}")]),
+    (LLAMA3_JSON, '{"name": "f", "parameters": {}}; {"na', [("f", "{}")]),
 ]
 
 
@@ -56,6 +74,24 @@ def test_any_split_of_the_stream_parses_like_the_whole_text(fmt, text, content, 
             assert got_content == expected_content, step
 
 
+@pytest.mark.parametrize("fmt,text,calls", CUT_CASES)
+def test_an_output_cut_short_leaves_no_markup_in_the_content(fmt, text, calls):
+    for step in (1, 2, 3, 5, 8, 13, len(text)):
+        assert parse(fmt, text, step) == ("", calls, calls), step
+
+
+@pytest.mark.parametrize("fmt", [GENERIC, HERMES, LLAMA3_JSON])
+def test_every_cut_of_constrained_calls_gives_named_calls_and_no_content(fmt):
+    key = fmt.arguments_key
+    calls = [fmt.call_open + json.dumps({"name": name, key: {"city": "Paris"}}) + fmt.call_close for name in "fg"]
+    text = fmt.call_separator.join(calls)
+    for cut in range(len(text) + 1):
+        for step in (1, 4, cut or 1):
+            content, streamed_calls, whole_calls = parse(fmt, text[:cut], step)
+            assert content == "" and streamed_calls == whole_calls, (cut, step)
+            assert all(name in "fg" and arguments for name, arguments in whole_calls), (cut, step)
+
+
 def test_text_that_may_open_a_call_is_held_back():
     parser = ToolCallParser(HERMES.syntax)
     assert parser.feed("Hello <tool") == ["Hello "]
@@ -83,6 +119,7 @@ def test_call_grammars_accept_exactly_calls_of_the_tools(tiny_llama_dir, fmt):
     one = fmt.call_open + json.dumps({"name": "f", key: {"x": 12}}) + fmt.call_close
     two = one + fmt.call_separator + fmt.call_open + json.dumps({"name": "g", key: {}}) + fmt.call_close
     wrong = fmt.call_open + json.dumps({"name": "f", key: {"x": "12"}}) + fmt.call_close
+    no_parameters = fmt.call_open + json.dumps({"name": "g", key: {"x": 1}}) + fmt.call_close  # g takes none
 
     def accepts(grammar: str, text: str) -> bool:
         matcher = compiler.compile(StructuredOutputs(grammar=grammar))
@@ -91,6 +128,7 @@ def test_call_grammars_accept_exactly_calls_of_the_tools(tiny_llama_dir, fmt):
 
     single, parallel = fmt.call_grammar(tools, False), fmt.call_grammar(tools, True)
     assert accepts(single, one) and not accepts(single, two) and not accepts(single, wrong)
+    assert not accepts(single, no_parameters)
     assert accepts(parallel, one) and accepts(parallel, two)
     if fmt is GENERIC:
         auto = fmt.auto_grammar(tools, True)

@@ -22,7 +22,8 @@ from web.tool_calls.parser import CallSyntax
 
 # The compact JSON the grammar writes (as json.dumps does), inside %json{...} of a Lark grammar.
 _JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_NO_PARAMETERS = {"type": "object", "properties": {}}
+# A function declared without parameters takes none (as in OpenAI's API), not any object.
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True, slots=True)

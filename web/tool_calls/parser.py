@@ -5,6 +5,11 @@ is known not to be one; a call's arguments are passed on as the model writes the
 "arguments" value), so the pieces of a stream join into exactly what the whole text yields at once. Parsing
 the whole text is the same parser fed once, which is how the streamed and the non-streamed answers agree.
 
+An output cut short (max_tokens) leaves no markup in the content: what was held back as a possible call (an
+opener, a call without arguments yet, a closer, a separator) is dropped. A call is passed on once its name is
+known and its arguments have begun; a stream cannot take it back then, so a call cut in its arguments is kept
+with the arguments as far as they were written, streamed or not.
+
 A family (web/tool_calls/formats.py) says where calls start and end:
 - Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the output, any number.
 - Llama 3 JSON: the whole output is `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>),
@@ -78,25 +83,20 @@ class ToolCallParser:
     calls: list[ParsedCall] = field(default_factory=list)
     _call: _Call | None = None
     _is_plain: bool = False  # Llama 3: the output did not open with a call, so it is all content
+    _calls_end: int = 0  # where the last call ended (0 before the first): a call may open after it
 
     def feed(self, delta: str) -> list[ParserEvent]:
         self.text += delta
         return self._advance(final=False)
 
     def finish(self) -> list[ParserEvent]:
-        """The output ended: flush what was held back (an unfinished call without a name is content)."""
+        """The output ended: flush what was held back. What the final pass still holds is markup cut short (or
+        whitespace after a call), except an output of whitespace only, which is content."""
         events = self._advance(final=True)
-        call = self._call
-        if call is not None and call.header is None:
-            events.append(self.text[self.pos :])
-            self.pos = len(self.text)
-        elif call is not None and call.args_start >= 0 and not call.args_done:
-            events += self._scan_arguments(call, final=True)
-        self._call = None
         rest = self.text[self.pos :]
-        if rest and not (self.calls and rest.isspace()):
+        if rest.isspace() and not self.calls:
             events.append(rest)
-            self.pos = len(self.text)
+        self.pos = len(self.text)
         return [e for e in events if not isinstance(e, str) or e]
 
     # ---- the state machine ---------------------------------------------------------------------------
@@ -123,14 +123,14 @@ class ToolCallParser:
             if self.calls:
                 if stripped.startswith(syntax.separator) and syntax.separator:
                     stripped = stripped[len(syntax.separator) :].lstrip()
-                elif syntax.separator.startswith(stripped) and not final:
-                    return False  # empty, or maybe a separator: wait
+                elif syntax.separator.startswith(stripped):
+                    return False  # empty, or maybe a separator: wait (held to the end, it is dropped)
             else:
                 for prefix in syntax.prefixes:
                     if stripped.startswith(prefix):
                         stripped = stripped[len(prefix) :].lstrip()
-                    elif prefix.startswith(stripped) and not final:
-                        return False  # maybe the prefix: wait
+                    elif prefix.startswith(stripped):
+                        return False  # maybe the prefix: wait (held to the end, it is dropped)
             if not stripped:
                 return False
             if stripped[0] != "{":
@@ -140,7 +140,10 @@ class ToolCallParser:
             return True
         found = text.find(syntax.start, self.pos)
         if found < 0:
-            end = len(text) - (0 if final else _partial_suffix(text, syntax.start, self.pos))
+            held = _partial_suffix(text, syntax.start, self.pos)
+            if final and text[self._calls_end : len(text) - held].strip():
+                held = 0  # a cut opener after content is content; where a call may open, it is dropped
+            end = len(text) - held
             if self.calls:  # whitespace after a call is not content (held until something else follows it)
                 end = self.pos + len(text[self.pos : end].rstrip())
             events.append(text[self.pos : end])
@@ -159,6 +162,8 @@ class ToolCallParser:
             match = _HEAD.match(text, call.body_start)
             if match is None:
                 return self._parse_whole_call(call, events, final)
+            if match.end() == len(text):  # a call is passed on with its arguments' first piece, never without
+                return self._drop_cut_call() if final else False
             call.header = ToolCallHeader(call.index, f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{match.group(1)}"'))
             self.calls.append(ParsedCall(call.header.id, call.header.name))
             events.append(call.header)
@@ -228,9 +233,11 @@ class ToolCallParser:
             stripped = rest.lstrip()
             if stripped.startswith(syntax.end):
                 end = len(text) - len(stripped) + len(syntax.end)
-            elif syntax.end.startswith(stripped) and not final:
-                return False
-        self.pos = end
+            elif syntax.end.startswith(stripped):
+                if not final:
+                    return False
+                end = len(text)  # a closer cut short
+        self.pos = self._calls_end = end
         self._call = None
         return True
 
@@ -241,15 +248,15 @@ class ToolCallParser:
         stripped_start = len(text) - len(text[call.body_start :].lstrip())
         if stripped_start < len(text) and text[stripped_start] != "{":
             return self._not_a_call(call, events)
-        if stripped_start >= len(text) or not text[call.body_start :].lstrip().startswith("{"):
-            if final:
-                return self._not_a_call(call, events)
-            return False
+        if stripped_start >= len(text):
+            return self._drop_cut_call() if final else False
         close = _object_end(text, stripped_start + 1)
         if close < 0:
-            if final:
-                return self._not_a_call(call, events)
-            return False
+            if not final:
+                return False
+            if self.syntax.start or self.calls or _may_open_call(text[stripped_start:]):
+                return self._drop_cut_call()
+            return self._not_a_call(call, events)  # Llama 3: a plain answer in JSON, cut short
         try:
             obj = json.loads(text[stripped_start : close + 1])
         except ValueError:
@@ -263,6 +270,12 @@ class ToolCallParser:
         events += [call.header, ArgumentsPiece(call.index, args_text)]
         call.args_done, call.scan = True, close
         return self._close_call(call, final)
+
+    def _drop_cut_call(self) -> bool:
+        """The output ended in a call that has no arguments yet: it is neither a call nor content."""
+        self._call = None
+        self.pos = len(self.text)
+        return False
 
     def _not_a_call(self, call: _Call, events: list[ParserEvent]) -> bool:
         """What looked like a call is content: pass the opener on and look for the next one after it."""
@@ -296,6 +309,12 @@ def _object_end(text: str, start: int) -> int:
             if depth == 0:
                 return i
     return -1
+
+
+def _may_open_call(text: str) -> bool:
+    """Whether text (an object cut short) opens as a call does, with "name" first (as constrained calls do)."""
+    head = re.sub(r"\s+", "", text[:64])[: len('{"name"')]
+    return '{"name"'.startswith(head)
 
 
 def _partial_suffix(text: str, marker: str, start: int) -> int:
