@@ -68,8 +68,8 @@ class QueueFull(AdmissionError):
 
 
 class EngineUnavailable(AdmissionError):
-    def __init__(self, state: EngineState) -> None:
-        super().__init__(f"the engine is {state.value}")
+    def __init__(self, state: EngineState, detail: str | None = None) -> None:
+        super().__init__(detail or f"the engine is {state.value}")
         self.state = state
 
 
@@ -251,6 +251,10 @@ class AsyncEngine:
         Readers need not call this: closing the OutputStream does."""
         return self._end(request_id, FinishReason.ABORT)
 
+    def abort_all(self) -> None:
+        """End every request now with an "abort" finish (a second stop signal: a drain that stops at once)."""
+        self._end_everything(FinishReason.ABORT)
+
     # -- the loop -------------------------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Load and warm the engine (in a worker thread), report started, then step until stopped."""
@@ -410,7 +414,8 @@ class AsyncEngine:
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
         if self._has_unfinished():
-            self._all_finished = anyio.Event()
+            if self._all_finished is None:  # one event for every drain: a second call must not orphan the first
+                self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
         self._end_everything(FinishReason.ABORT)

@@ -112,7 +112,9 @@ class SluiceASGI:
             loop.add_signal_handler(signum, self._on_signal, tg, signum, previous)
 
     def _on_signal(self, tg: TaskGroup, signum: int, previous: asyncio.Handle | None) -> None:
-        if self._is_draining:  # a second signal: stop now
+        if self._is_draining:  # a second signal: stop now, every stream ending with "abort" and [DONE]
+            logger.warning("%s again: ending every request now", signal.Signals(signum).name)
+            self.engine.abort_all()
             self._stop_serving(previous)
             return
         logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, self.drain_timeout)

@@ -10,7 +10,7 @@ import anyio
 from quart import Quart, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from engine.async_engine import EngineUnavailable
+from engine.async_engine import EngineState, EngineUnavailable
 from engine.errors import InvalidRequest
 from web.json_response import json_response
 
@@ -94,7 +94,10 @@ def register_error_handlers(app: Quart) -> None:
     async def handle_unavailable(error: EngineUnavailable) -> Response:
         await drain_request_body(503)
         message = f"the server is not accepting requests: {error}"
-        return APIError(503, message, code=f"engine_{error.state.value}").response()
+        # Loading (or, with replicas, every replica restarting) ends by itself: say when to try again.
+        is_loading = error.state is EngineState.LOADING
+        headers = {"Retry-After": str(current_app.extensions["sluice"].config.retry_after_seconds)} if is_loading else None
+        return APIError(503, message, code=f"engine_{error.state.value}", headers=headers).response()
 
     @app.errorhandler(HTTPException)
     async def handle_http_exception(error: HTTPException) -> Response:

@@ -225,6 +225,58 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> Non
             process.wait()
 
 
+# The server with every forward pass 50 ms slower, so that streams are still running when the signals come.
+SLOW_SERVER = """
+import sys, time
+from engine.llm_engine import LLMEngine
+execute = LLMEngine.execute
+LLMEngine.execute = lambda self, plan: (time.sleep(0.05), execute(self, plan))[1]
+from web.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_sigterm_ends_every_stream_now_and_exits_zero(tiny_llama_dir) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SERVER, "--model", str(tiny_llama_dir), "--dtype", "float32", "--port", str(port),
+         "--served-model-name", MODEL, "--num-kv-blocks", "256", "--max-num-seqs", "8"],
+        cwd=REPO, env={**os.environ, "SLUICE_DRAIN_TIMEOUT": "120", "SLUICE_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
+        assert process.poll() is None
+        http = httpx.Client(base_url=base_url, timeout=60)
+        first_events = [threading.Event() for _ in range(4)]
+
+        def stream(i: int) -> list[Any]:
+            with http.stream("POST", "/v1/completions", json={**LONG, "prompt": f"stream {i}", "stream": True}) as r:
+                lines = r.iter_lines()
+                first = next(lines)
+                first_events[i].set()
+                return parse_sse(iter([first, *lines]))[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream, i) for i in range(4)]
+            for event in first_events:
+                assert event.wait(60)
+            process.send_signal(signal.SIGTERM)  # drains for up to 120 s: 480 tokens take ~24 s here
+            wait_until(lambda: health(base_url)[1].get("state") == "draining", timeout=10)
+            process.send_signal(signal.SIGTERM)
+            second_at = time.monotonic()
+            results = [f.result(timeout=30) for f in futures]
+            assert process.wait(timeout=30) == 0
+        assert time.monotonic() - second_at < 15  # not the drain's 120 s, nor the streams' ~24 s
+        for events in results:
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_stop_writes_out_a_slow_readers_finished_stream(tiny_llama_dir) -> None:
     """The engine has finished a stream whose client has not read it (kilobytes of buffers on both sides, ~100 KB
     of events): stopping the server waits for the bytes to be written (within drain_timeout) instead of giving
@@ -262,6 +314,7 @@ def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
         assert health(server.base_url)[1]["state"] == "loading"
         response = httpx.post(f"{server.base_url}/v1/completions", json=SHORT)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_loading"
+        assert response.headers["Retry-After"] == "1"  # loading ends by itself
         release.set()
         wait_until(lambda: health(server.base_url)[0] == 200)
         assert httpx.post(f"{server.base_url}/v1/completions", json=SHORT, timeout=30).status_code == 200
