@@ -253,6 +253,11 @@ def test_a_killed_replica_ends_its_own_streams_and_the_other_finishes(cluster: C
         wait_until(lambda: all(r["running"] > 0 for r in cluster.replicas()), timeout=30, interval=0.05)
         victim = cluster.replicas()[0]
         os.kill(victim["pid"], signal.SIGKILL)
+        # Sent before the front can have noticed: those routed to the dead replica go to the living one.
+        short = {**body, "max_tokens": 4}
+        with ThreadPoolExecutor(8) as burst_pool:
+            burst = [burst_pool.submit(client.post, "/v1/completions", json=short) for _ in range(8)]
+            assert [f.result(timeout=120).status_code for f in burst] == [200] * 8
         results = [f.result(timeout=120) for f in futures]
         # At once, new requests go to the living replica.
         answer = client.post("/v1/completions", json={**body, "max_tokens": 4})

@@ -47,6 +47,7 @@ POLL_TIMEOUT = 2.0  # a replica that does not answer within this leaves the rout
 START_TIMEOUT = 900.0  # Ray's start plus every replica's model load and warm-up
 SHUTDOWN_TIMEOUT = 60.0
 REPLICA_FAILED = "the replica serving this request failed"
+NO_REPLICA_READY = "no replica is ready (they are restarting)"
 REPLICA_FULL = "the replica chosen for this request was full (other fronts share it): retry"
 
 
@@ -61,6 +62,7 @@ class ReplicaSlot:
     num_in_flight: int = 0  # requests this front has sent there and not yet ended
     num_restarts: int = 0
     failed_at: float | None = None  # monotonic time of the last failure seen in one of its streams
+    is_answering: bool = False  # its last report came, and no stream failed since
     listener: anyio.CancelScope | None = None  # the reader of its outputs() stream, while one runs
 
     @property
@@ -74,6 +76,8 @@ class _InFlight:
     request: Request
     slot: ReplicaSlot
     is_submitted: bool = False  # the replica has it: ending it early means telling the replica
+    num_delivered: int = 0  # its deltas passed on to the client
+    submit_scope: anyio.CancelScope | None = None  # while its submit travels
 
 
 class ClusterEngine:
@@ -98,6 +102,7 @@ class ClusterEngine:
         self._tg: TaskGroup | None = None
         self._stop = anyio.Event()
         self._all_finished: anyio.Event | None = None
+        self._shutdown_done: anyio.Event | None = None
         self._inputs = InputSlot()
         self._front_id = uuid.uuid4().hex  # names this front's requests and output stream to the replicas
         self.is_forward_abandoned = False  # no forward pass runs in this process
@@ -105,6 +110,8 @@ class ClusterEngine:
     # -- the face the routes use ---------------------------------------------------------------------------
     @property
     def state(self) -> EngineState:
+        if self._state is EngineState.READY and not any(s.is_ready for s in self._slots):
+            return EngineState.LOADING  # every replica is restarting: Ray Serve is loading their replacements
         return self._state
 
     @property
@@ -168,12 +175,16 @@ class ClusterEngine:
         """End a request now ("abort"); its replica is told. Idempotent."""
         return self._end(request_id, FinishReason.ABORT)
 
+    def abort_all(self) -> None:
+        """End every request now with an "abort" finish; each replica is told (a second stop signal)."""
+        self._end_everything(FinishReason.ABORT)
+
     def stats(self) -> ClusterStats:
         reported = [s.stats for s in self._slots if s.is_ready and s.stats is not None]
         queries = sum(r.num_prefix_queries for r in reported)
         router = self._router
         return ClusterStats(
-            state=self._state.value,
+            state=self.state.value,
             waiting=sum(r.waiting for r in reported),
             running=sum(r.running for r in reported),
             pending=sum(r.pending for r in reported) + self._num_reserved,
@@ -215,7 +226,8 @@ class ClusterEngine:
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
         if self._requests:
-            self._all_finished = anyio.Event()
+            if self._all_finished is None:  # one event for every drain: a second call must not orphan the first
+                self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
         self._end_everything(FinishReason.ABORT)
@@ -249,10 +261,21 @@ class ClusterEngine:
         )
 
     async def _shutdown(self) -> None:
-        launched, self._launched = self._launched, None
-        if launched is not None:
+        """Stop the replicas and Ray, once. A later call (a second drain, run's end) waits for the first: a
+        shutdown left running in a thread while the process exits races Ray's own exit, and a Ray call after
+        ray.shutdown() starts a new local cluster."""
+        if self._shutdown_done is not None:
             with anyio.move_on_after(SHUTDOWN_TIMEOUT):
-                await anyio.to_thread.run_sync(launched.shutdown, abandon_on_cancel=True)
+                await self._shutdown_done.wait()
+            return
+        self._shutdown_done = anyio.Event()
+        launched, self._launched = self._launched, None
+        try:
+            if launched is not None:
+                with anyio.move_on_after(SHUTDOWN_TIMEOUT):
+                    await anyio.to_thread.run_sync(launched.shutdown, abandon_on_cancel=True)
+        finally:
+            self._shutdown_done.set()
 
     async def _poll_until_stopped(self) -> None:
         while not self._stop.is_set():
@@ -277,7 +300,7 @@ class ClusterEngine:
         if stats is None:
             if slot.is_ready:
                 logger.warning("replica %d does not answer: it leaves the routing", slot.index)
-            slot.is_ready = False
+            slot.is_ready = slot.is_answering = False
             return
         if slot.failed_at is not None and slot.failed_at > asked_at:
             return  # a stream failed while this report travelled: wait for a report from after the failure
@@ -290,6 +313,7 @@ class ClusterEngine:
             logger.info("replica %d ready (pid %d)", slot.index, stats.pid)
         slot.stats = stats
         slot.is_ready = stats.state == EngineState.READY.value
+        slot.is_answering = True
         slot.failed_at = None
         if slot.is_ready and slot.listener is None and self._tg is not None:
             slot.listener = anyio.CancelScope()
@@ -313,7 +337,7 @@ class ClusterEngine:
         hashes = prompt_block_hashes(request.prompt_token_ids, self._block_size) if router.policy == "affine" else []
         route = router.choose(hashes, {s.index: s.load for s in with_room})
         if route is None:
-            raise EngineUnavailable(EngineState.LOADING)  # every replica left between reserve() and now
+            raise EngineUnavailable(EngineState.LOADING, NO_REPLICA_READY)  # all left between reserve() and now
         slot = self._slots[route.replica]
         shell.bind(request)
         shell.start()  # the replica queues it
@@ -327,18 +351,48 @@ class ClusterEngine:
         return OutputStream(shell, self.abort)
 
     async def _submit(self, request: PreparedRequest, flight: _InFlight) -> None:
-        request_id, slot = request.request_id, flight.slot
-        try:
-            await slot.handle.submit.remote(self._front_id, request)
-        except QueueFull:  # only when other fronts share this replica and filled it meanwhile
-            self._end(request_id, FinishReason.ERROR, REPLICA_FULL)
-        except Exception as error:
-            self._replica_failed(slot, error)
+        """Send the request to its replica. If that replica fails first (the submit raises, or the replica's stream
+        fails while the submit travels: Ray Serve then holds the call for the replacement), the request goes to
+        another ready replica while nothing of it has reached the client, else it ends with an error."""
+        request_id = request.request_id
+        while True:
+            slot, sent_at = flight.slot, time.monotonic()
+            failure: BaseException | None = None
+            with anyio.CancelScope() as flight.submit_scope:
+                try:
+                    await slot.handle.submit.remote(self._front_id, request)
+                except QueueFull:  # only when other fronts share this replica and filled it meanwhile
+                    self._end(request_id, FinishReason.ERROR, REPLICA_FULL)
+                    return
+                except Exception as error:
+                    failure = error
+            flight.submit_scope = None
+            if failure is None and slot.failed_at is not None and slot.failed_at >= sent_at:
+                failure = RuntimeError("the replica failed while the request travelled")
+            if failure is None:
+                flight.is_submitted = True
+                if self._requests.get(request_id) is not flight:  # ended while it travelled: the replica has it now
+                    self._tell_abort(slot, request_id)
+                return
+            self._replica_failed(slot, failure)
+            self._tell_abort(slot, request_id)  # it may have landed there, or on the replacement
+            if self._requests.get(request_id) is flight and not flight.num_delivered and self._move_to_another(flight):
+                continue
             self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
-        else:
-            flight.is_submitted = True
-            if self._requests.get(request_id) is not flight:  # ended while it travelled: now the replica has it
-                self._tell_abort(slot, request_id)
+            return
+
+    def _move_to_another(self, flight: _InFlight) -> bool:
+        """A request whose submit failed (its replica died, typically before the front noticed) goes to the least
+        loaded of the other ready replicas, if any: nothing of it has run, so nothing is lost."""
+        others = [s for s in self._slots if s.is_ready and s is not flight.slot]
+        if not others:
+            return False
+        with_room = [s for s in others if s.num_in_flight < self._places_per_replica] or others
+        target = min(with_room, key=lambda s: s.load)
+        flight.slot.num_in_flight -= 1
+        target.num_in_flight += 1
+        flight.slot = target
+        return True
 
     async def _listen(self, slot: ReplicaSlot, scope: anyio.CancelScope) -> None:
         """Read the replica's stream of this front's deltas, each item every delta that was ready together; its
@@ -361,13 +415,15 @@ class ClusterEngine:
                     slot.listener = None
         if failure is not None:
             self._replica_failed(slot, failure)
-            for request_id in [r for r, flight in self._requests.items() if flight.slot is slot]:
+            # Those still being submitted are left to _submit: one that fails goes to another replica.
+            for request_id in [r for r, flight in self._requests.items() if flight.slot is slot and flight.is_submitted]:
                 self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
 
     def _deliver(self, slot: ReplicaSlot, request_id: str, output: RequestOutput) -> None:
         flight = self._requests.get(request_id)
         if flight is None or flight.slot is not slot:
             return  # ended here already (the replica was told)
+        flight.num_delivered += 1
         if not flight.request.push(output):  # the reader is gone
             self._end(request_id, FinishReason.ABORT)
         elif flight.request.is_finished:
@@ -388,8 +444,11 @@ class ClusterEngine:
         if slot.is_ready:
             logger.error("replica %d failed a stream (%s): it leaves the routing until it answers again",
                          slot.index, type(error).__name__)  # fmt: skip
-        slot.is_ready = False
+        slot.is_ready = slot.is_answering = False
         slot.failed_at = time.monotonic()
+        for flight in self._requests.values():  # a submit there may wait for Ray Serve's replacement: not for it
+            if flight.slot is slot and flight.submit_scope is not None:
+                flight.submit_scope.cancel()
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
         flight = self._requests.get(request_id)
@@ -429,7 +488,7 @@ class ClusterEngine:
         if self._state is not EngineState.READY or self._processor is None:
             raise EngineUnavailable(self._state)
         if not any(s.is_ready for s in self._slots):
-            raise EngineUnavailable(EngineState.LOADING)  # every replica is restarting
+            raise EngineUnavailable(EngineState.LOADING, NO_REPLICA_READY)
         return self._processor
 
 
@@ -452,7 +511,9 @@ def _replica_body(slot: ReplicaSlot) -> dict[str, Any]:
         "in_flight": slot.num_in_flight,
         "restarts": slot.num_restarts,
     }
-    if stats is not None:
+    if stats is not None and not slot.is_answering:  # its last report is from before it failed or went quiet
+        body.update(pid=stats.pid, state="unavailable")
+    elif stats is not None:
         body.update(
             pid=stats.pid,
             state=stats.state,

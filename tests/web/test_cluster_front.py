@@ -1,0 +1,138 @@
+"""The front's bookkeeping of its replicas (web/cluster/front.py, no Ray: fake handles): a request whose submit fails
+goes to another ready replica, no ready replica means 503 "loading", and a replica that failed shows no stale load."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+
+from engine.async_engine import EngineState, EngineUnavailable
+from engine.config import SluiceConfig
+from engine.outputs import FinishReason
+from web.cluster.front import REPLICA_FAILED, ClusterEngine, ReplicaSlot, _InFlight, _replica_body
+from web.cluster.stats import ReplicaStats
+
+
+class FakeCall:
+    def __init__(self, handle: FakeHandle, name: str) -> None:
+        self.handle, self.name = handle, name
+
+    async def remote(self, front_id: str, request: Any) -> None:
+        if self.handle.during_call is not None:
+            self.handle.during_call()
+        if self.handle.is_dead:
+            raise RuntimeError("the actor died")
+        self.handle.calls.append((self.name, getattr(request, "request_id", request)))
+
+
+class FakeHandle:
+    def __init__(self, is_dead: bool = False) -> None:
+        self.is_dead = is_dead
+        self.during_call: Any = None  # called while a call travels
+        self.calls: list[tuple[str, str]] = []
+        self.submit, self.abort = FakeCall(self, "submit"), FakeCall(self, "abort")
+
+
+class FakeRequest:
+    def __init__(self) -> None:
+        self.ended: tuple[FinishReason, str | None] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.ended is not None
+
+    def end(self, reason: FinishReason, error: str | None = None) -> None:
+        self.ended = (reason, error)
+
+
+def front_with(*slots: ReplicaSlot) -> ClusterEngine:
+    engine = ClusterEngine(SluiceConfig())
+    engine._slots = list(slots)
+    engine._max_num_seqs = 4
+    engine._state = EngineState.READY
+    return engine
+
+
+async def submit(engine: ClusterEngine, flight: _InFlight) -> None:
+    engine._requests["r"] = flight
+    flight.slot.num_in_flight += 1
+    async with anyio.create_task_group() as tg:
+        engine._tg = tg
+        await engine._submit(SimpleNamespace(request_id="r"), flight)  # type: ignore[arg-type]
+    engine._tg = None
+
+
+def test_a_submit_to_a_replica_that_just_died_goes_to_another() -> None:
+    dead, alive = ReplicaSlot(0, FakeHandle(is_dead=True), is_ready=True), ReplicaSlot(1, FakeHandle(), is_ready=True)
+    engine = front_with(dead, alive)
+    flight = _InFlight(FakeRequest(), dead)  # type: ignore[arg-type]
+    anyio.run(submit, engine, flight)
+    assert flight.slot is alive and flight.is_submitted and alive.handle.calls == [("submit", "r")]
+    assert flight.request.ended is None  # type: ignore[attr-defined]
+    assert (dead.num_in_flight, alive.num_in_flight) == (0, 1) and not dead.is_ready
+
+
+def test_a_submit_that_fails_with_no_other_replica_ends_with_an_error() -> None:
+    dead = ReplicaSlot(0, FakeHandle(is_dead=True), is_ready=True)
+    engine = front_with(dead)
+    flight = _InFlight(FakeRequest(), dead)  # type: ignore[arg-type]
+    anyio.run(submit, engine, flight)
+    assert flight.request.ended == (FinishReason.ERROR, REPLICA_FAILED)  # type: ignore[attr-defined]
+    assert dead.num_in_flight == 0 and not engine._requests
+
+
+def test_a_submit_that_lands_after_its_replicas_stream_failed_goes_to_another_and_is_aborted_there() -> None:
+    """Ray Serve holds a call to a dead replica for its replacement: the request may land there, unread."""
+    slot, other = ReplicaSlot(0, FakeHandle(), is_ready=True), ReplicaSlot(1, FakeHandle(), is_ready=True)
+    engine = front_with(slot, other)
+    slot.handle.during_call = lambda: engine._replica_failed(slot, RuntimeError("its stream failed"))
+    flight = _InFlight(FakeRequest(), slot)  # type: ignore[arg-type]
+    anyio.run(submit, engine, flight)
+    assert flight.slot is other and flight.is_submitted and other.handle.calls == [("submit", "r")]
+    assert ("abort", "r") in slot.handle.calls and flight.request.ended is None  # type: ignore[attr-defined]
+    assert (slot.num_in_flight, other.num_in_flight) == (0, 1)
+
+
+def test_a_submit_waiting_on_a_replica_that_fails_is_cancelled_and_sent_elsewhere() -> None:
+    slot, other = ReplicaSlot(0, FakeHandle(), is_ready=True), ReplicaSlot(1, FakeHandle(), is_ready=True)
+    engine = front_with(slot, other)
+    flight = _InFlight(FakeRequest(), slot)  # type: ignore[arg-type]
+    held = anyio.Event()
+
+    async def wait_forever() -> None:  # the call Ray Serve holds for a replacement
+        held.set()
+        await anyio.sleep_forever()
+
+    async def scenario() -> None:
+        slot.handle.submit.remote = lambda front_id, request: wait_forever()  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(submit, engine, flight)
+            await held.wait()
+            engine._replica_failed(slot, RuntimeError("its output stream failed"))
+
+    anyio.run(scenario)
+    assert flight.slot is other and flight.is_submitted and other.handle.calls == [("submit", "r")]
+
+
+def test_no_ready_replica_is_503_loading_in_health_and_admission() -> None:
+    engine = front_with(ReplicaSlot(0, FakeHandle(), is_ready=False), ReplicaSlot(1, FakeHandle(), is_ready=False))
+    engine._processor = object()  # type: ignore[assignment]  # loaded once: only the replicas are missing
+    assert engine.stats().state == EngineState.LOADING.value and engine.stats().num_ready == 0
+    with pytest.raises(EngineUnavailable, match="no replica is ready") as refusal:
+        engine.reserve()
+    assert refusal.value.state is EngineState.LOADING
+    engine._slots[1].is_ready = True
+    assert engine.stats().state == EngineState.READY.value
+
+
+def test_a_replica_that_failed_shows_no_stale_load() -> None:
+    stats = ReplicaStats(pid=42, state="ready", running=5, waiting=1, pending=0, free_kv_blocks=10,
+                         total_kv_blocks=20, num_prefix_queries=0, num_prefix_hits=0)  # fmt: skip
+    slot = ReplicaSlot(0, FakeHandle(), stats=stats, is_ready=True, is_answering=True)
+    assert _replica_body(slot)["load"] == 6
+    front_with(slot)._replica_failed(slot, RuntimeError("gone"))
+    body = _replica_body(slot)
+    assert body["state"] == "unavailable" and body["pid"] == 42 and "load" not in body and not body["ready"]
