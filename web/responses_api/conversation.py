@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.errors import InvalidRequest
 from web.schemas import ChatMessage
 
 Item = dict[str, Any]
@@ -56,9 +57,11 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
                 turns.append({"role": "assistant", "content": None})
             turns[-1].setdefault("tool_calls", []).append(call)
         else:
-            turn = {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             name = names_by_call.get(item["call_id"])
-            turns.append(turn if name is None else {**turn, "name": name})
+            if name is None:  # as OpenAI answers: an output must follow its call (in the input or the stored chain)
+                raise InvalidRequest(f"no function call found for the function_call_output with call_id "
+                                     f"{item['call_id']!r}", "input")  # fmt: skip
+            turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"], "name": name})
     rendered = [ChatMessage.model_validate(turn).as_template_dict() for turn in turns]
     if instructions:
         if rendered and rendered[0]["role"] == "system":
