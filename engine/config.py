@@ -177,6 +177,8 @@ def load_config(
     cluster_overrides: dict[str, Any] | None = None,
 ) -> SluiceConfig:
     """Read config.toml, then SLUICE_<KEY> environment variables, then explicit overrides (highest)."""
+    if path and not Path(path).is_file():  # a file asked for by name must exist; only the default may be absent
+        raise ValueError(f"config file {str(path)!r} not found")
     path = Path(path) if path else DEFAULT_CONFIG_PATH
     data: dict[str, Any] = {}
     if path.exists():

@@ -106,7 +106,7 @@ def _load(config: EngineConfig) -> LoadedModel:
         hf_config=hf_config,
         tokenizer=tokenizer,
         path=path,
-        name=served_name(config.model),
+        name=served_name(config.model, config.cache_path),
         eos_token_ids=eos,
         max_position_embeddings=max_pos,
         vocab_size=int(hf_config.vocab_size),

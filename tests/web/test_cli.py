@@ -94,6 +94,8 @@ def test_bad_values_exit_2_with_the_reason() -> None:
     assert done.returncode == 2 and "top_p must be in (0, 1]" in done.stderr
     done = sluice("frobnicate")
     assert done.returncode == 2 and "unknown command" in done.stderr
+    done = sluice("serve", "--config", "no-such-file.toml")  # not the defaults, silently
+    assert done.returncode == 2 and "config file 'no-such-file.toml' not found" in done.stderr
 
 
 # ---- generate ---------------------------------------------------------------------------------------------
