@@ -71,7 +71,10 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
             self._check_chars(len(prompt), "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            try:
+                return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except TypeError:  # the tokenizer takes no text that is not UTF-8: a lone surrogate, say
+                raise InvalidRequest("prompt is not valid Unicode text (a lone surrogate?)", param="prompt") from None
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
         self._check_num_tokens(len(prompt), "prompt")

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.config import engine_config
+from engine.errors import InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import ChoiceOutput, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,6 +40,9 @@ class LLM:
         its SamplingParams.n choices in `outputs`."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of those, not "
+                                 f"{type(prompts).__name__}", param="prompt")  # fmt: skip
         token_lists = [self.engine.input_processor.encode_prompt(p) for p in prompts]
         return self._run(token_lists, params, use_tqdm)
 

@@ -111,6 +111,7 @@ def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
         ("x" * 10**6, SamplingParams(max_tokens=4), "characters"),  # rejected before tokenization
         (list(range(10**6)), SamplingParams(max_tokens=4), "max_model_len"),
         ("hello", SamplingParams(stop_token_ids=[10**6]), "stop token id"),
+        ("Hi \ud83d there", SamplingParams(), "not valid Unicode"),  # a lone surrogate (JSON's \ud83d)
     ],
 )
 def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message):
@@ -125,6 +126,12 @@ def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message)
     finally:
         while engine.has_unfinished_requests:
             engine.step()
+
+
+@pytest.mark.parametrize("prompts", [None, 5, {"prompt": "x"}])
+def test_prompts_of_no_usable_type_raise_value_error(llm, prompts):
+    with pytest.raises(ValueError, match="prompts must be a string, a list of token ids or a list of those"):
+        llm.generate(prompts)
 
 
 def test_length_errors_name_the_text_in_a_sentence(llm):
