@@ -25,15 +25,20 @@ class OutputProcessor:
             seq.logprobs.append(token)
         params = seq.params
         can_stop = seq.num_output_tokens >= params.min_tokens
-        text, stop_str = seq.detokenizer.step(token_id, can_stop)
+        is_eos = can_stop and not params.ignore_eos and token_id in self.eos_token_ids
+        is_stop_token = can_stop and token_id in seq.stop_token_ids
+        if (is_eos or is_stop_token) and not params.include_stop_str_in_output:
+            text, stop_str = "", None  # the token that ends the output is not its text (as a stop string is not)
+        else:
+            text, stop_str = seq.detokenizer.step(token_id, can_stop)
         is_grammar_done = seq.matcher is not None and _advance_grammar(seq.matcher, token_id)
         reason: FinishReason | None = None
         stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         if stop_str is not None:
             reason, stop_reason = FinishReason.STOP, stop_str
-        elif can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+        elif is_eos:
             reason = FinishReason.STOP
-        elif can_stop and token_id in seq.stop_token_ids:
+        elif is_stop_token:
             reason, stop_reason = FinishReason.STOP, token_id
         elif is_grammar_done:  # the output is complete: nothing but EOS could follow
             reason = FinishReason.STOP

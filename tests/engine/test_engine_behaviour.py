@@ -195,6 +195,37 @@ def test_min_tokens_and_stop_token_ids(llm):
     )[0]
     assert cut.token_ids == first.token_ids[: first.token_ids.index(stop_id) + 1]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop_id
+    # The stop token is not text, as a stop string is not (vLLM's rule), unless include_stop_str_in_output.
+    texts = [
+        llm.generate(["Hello"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)[0].text
+        for n in (len(cut.token_ids) - 1, len(cut.token_ids))
+    ]
+    assert cut.text == texts[0]
+    kept = llm.generate(
+        ["Hello"],
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop_id],
+                       include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0]  # fmt: skip
+    assert kept.text == texts[1] and kept.token_ids == cut.token_ids
+
+
+def test_eos_is_not_text_even_when_special_tokens_are_shown(default_llm):
+    llm = default_llm
+    eos = next(iter(llm.engine.eos_token_ids))
+    eos_text = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    prompt = ["The capital of France is"]
+    before = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    forced = dict(max_tokens=8, temperature=0, min_tokens=3, logit_bias={eos: 100}, skip_special_tokens=False)
+    out = llm.generate(prompt, SamplingParams(**forced), use_tqdm=False)[0]
+    assert out.token_ids == before.token_ids + [eos] and out.finish_reason == "stop"
+    assert out.text == before.text and before.text.strip() and eos_text and eos_text not in out.text
+    kept = llm.generate(prompt, SamplingParams(**forced, include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == before.text + eos_text
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    stop_id = before.token_ids[1]
+    cut = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert cut.token_ids == before.token_ids[:2] and cut.text == first.text != before.text
 
 
 def test_logprobs_are_returned_per_token(llm):
