@@ -8,6 +8,8 @@ from tokenizers.decoders import DecodeStream
 # Prompt tokens fed to the stream first, so that the first output token decodes in context
 # (a SentencePiece "▁word" keeps its leading space after a prompt, as in a full decode).
 NUM_CONTEXT_TOKENS = 4
+# How many of the prompt's last tokens a context may leave out to end on a whole character.
+MAX_CONTEXT_SHIFT = 8
 
 
 class IncrementalDetokenizer:
@@ -26,7 +28,8 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
     ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(prompt_token_ids[-NUM_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens)
+        context = _whole_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._include_stop = include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
@@ -92,3 +95,14 @@ class IncrementalDetokenizer:
                     break
                 index = text.find(stop[0], index + 1)
         return longest
+
+
+def _whole_context(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt's last few tokens whose text does not end in U+FFFD. DecodeStream emits what follows the text of
+    the tokens it starts with, and takes no such text from tokens that end in U+FFFD (a character the prompt's
+    token ids cut, or a real U+FFFD): its first delta would then repeat the prompt's tail as output."""
+    for end in range(len(prompt_token_ids), max(0, len(prompt_token_ids) - MAX_CONTEXT_SHIFT) - 1, -1):
+        context = prompt_token_ids[max(0, end - NUM_CONTEXT_TOKENS) : end]
+        if not tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            return context
+    return []

@@ -28,6 +28,16 @@ def stream(tokenizer, text, stop=(), include=False, prompt="Hello"):
     return deltas, matched, detok
 
 
+def test_a_prompt_ending_in_a_cut_or_replaced_character_stays_out_of_the_output(tokenizer):
+    cjk = tokenizer.encode("日本の首都は")
+    cut = next(cjk[:k] for k in range(1, len(cjk)) if tokenizer.decode(cjk[:k]).endswith("\ufffd"))
+    prompts = [tokenizer.encode(text) for text in ("Broken text caf\ufffd", "\ufffd", "ok \ufffd" * 9)] + [cut]
+    for prompt_ids in prompts:
+        detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, prompt_ids, [], False, True)
+        deltas = [detok.step(token_id)[0] for token_id in tokenizer.encode(" is a cafe")] + [detok.flush()]
+        assert "".join(deltas) == " is a cafe" == detok.text, tokenizer.decode(prompt_ids)
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_deltas_are_whole_characters_and_concatenate_to_the_text(tokenizer, text):
     ids = tokenizer.encode(text)
