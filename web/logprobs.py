@@ -98,6 +98,12 @@ def completion_logprobs(tokens: list[SampledToken], token_text: TokenText, offse
         result["tokens"].append(text)
         result["token_logprobs"].append(token.logprob)
         top = token.top_logprobs
-        result["top_logprobs"].append(None if top is None else {token_text(tid)[0]: lp for tid, lp in top})
+        if top is None:
+            result["top_logprobs"].append(None)
+        else:  # the sampled token always among them (OpenAI: "up to logprobs + 1 elements")
+            choices = {token_text(tid)[0]: lp for tid, lp in top}
+            if token.logprob is not None:
+                choices.setdefault(text, token.logprob)
+            result["top_logprobs"].append(choices)
         result["text_offset"].append(offsets.next(raw))
     return result
