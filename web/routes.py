@@ -22,7 +22,7 @@ from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import ChatResponses, CompletionResponses, EchoedPrompt, ResponseFormat
-from web.schemas import ChatCompletionRequest, CompletionRequest, parse_request
+from web.schemas import ChatCompletionRequest, CompletionRequest, named_as_sent, parse_request
 from web.services import Services, services
 from web.sse import sse_response
 from web.tool_calls import plan_tools
@@ -46,7 +46,8 @@ async def chat_completions() -> Response:
     if plan.syntax is not None:
         fmt.read_tool_calls(plan.syntax)
     with admit(s, entry, 1) as reservation:
-        prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **plan.template_kwargs)
+        with named_as_sent(body.wire_names()):
+            prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **plan.template_kwargs)
         return await generate(s, reservation, fmt, prepared, bool(body.stream))
 
 
@@ -66,9 +67,11 @@ async def completions() -> Response:
                        param="n" if params.n > 1 else "prompt")  # fmt: skip
     with admit(s, entry, len(prompts)) as reservation:
         if len(prompts) == 1 and not body.echo:
-            prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
+            with named_as_sent(body.wire_names()):
+                prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
             return await generate(s, reservation, fmt, prepared, bool(body.stream))
-        batch = [await s.engine.prepare_prompt(f"{fmt.id}-{i}", p, params) for i, p in enumerate(prompts)]
+        with named_as_sent(body.wire_names()):
+            batch = [await s.engine.prepare_prompt(f"{fmt.id}-{i}", p, params) for i, p in enumerate(prompts)]
         echoes = None
         if body.echo:
             texts = [p if isinstance(p, str) else await s.engine.decode(p) for p in prompts]
@@ -89,7 +92,7 @@ async def model(model_id: str) -> Response:
 
 
 def model_card(s: Services, model_id: str | None = None) -> dict[str, Any]:
-    return {"id": model_id or s.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
+    return {"id": model_id or s.model_name, "object": "model", "created": s.created, "owned_by": "sluice"}
 
 
 @blueprint.get("/health")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -116,17 +118,17 @@ class SamplingFields(RequestBody):
         return StructuredOutputs(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                                  json_object=bool(so.json_object))  # fmt: skip
 
+    def wire_names(self) -> dict[str, str]:
+        """SamplingParams' field -> the request's name for it, where they differ (max_completion_tokens,
+        top_logprobs): what an InvalidRequest about the field names."""
+        return {}
+
     def sampling_params(
-        self,
-        max_tokens: int | None,
-        logprobs: int | None,
-        prompt_logprobs: int | None = None,
-        wire_names: dict[str, str] | None = None,
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        """InvalidRequest (400, naming the parameter) for values the engine cannot honour. wire_names: the
-        request's names of SamplingParams fields it spells otherwise (max_completion_tokens, top_logprobs)."""
+        """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
         return checked_sampling_params(
-            wire_names or {},
+            self.wire_names(),
             max_tokens=max_tokens,
             min_tokens=_default(self.min_tokens, 0),
             temperature=_default(self.temperature, 1.0),
@@ -279,13 +281,15 @@ class ChatCompletionRequest(SamplingFields):
             for t in self.tools or []
         ]
 
-    def to_sampling_params(self) -> SamplingParams:
-        wire_names = {"logprobs": "top_logprobs"}
-        max_tokens = self.max_tokens
+    def wire_names(self) -> dict[str, str]:
         if self.max_completion_tokens is not None:
-            max_tokens, wire_names["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+            return {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+        return {"logprobs": "top_logprobs"}
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, wire_names=wire_names)
+        return self.sampling_params(max_tokens, logprobs)
 
 
 class CompletionRequest(SamplingFields):
@@ -317,7 +321,10 @@ class CompletionRequest(SamplingFields):
         # OpenAI's legacy default for /v1/completions is 16 tokens. With echo, logprobs cover the prompt too.
         prompt_logprobs = self.logprobs if self.echo else None
         max_tokens = self.max_tokens if self.max_tokens is not None else 16
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, {"prompt_logprobs": "logprobs"})
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    def wire_names(self) -> dict[str, str]:
+        return {"prompt_logprobs": "logprobs"}
 
 
 class TokenizeRequest(RequestBody):
@@ -382,10 +389,17 @@ def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
 
 
 def checked_sampling_params(wire_names: dict[str, str], **values: Any) -> SamplingParams:
-    """SamplingParams(**values), whose InvalidRequest names the parameter as the request spells it (wire_names:
-    SamplingParams' field -> the request's name, where they differ)."""
-    try:
+    """SamplingParams(**values), whose InvalidRequest names the parameter as the request spells it."""
+    with named_as_sent(wire_names):
         return SamplingParams(**values)
+
+
+@contextmanager
+def named_as_sent(wire_names: dict[str, str]) -> Iterator[None]:
+    """An InvalidRequest raised inside names the parameter as the request spells it (wire_names: SamplingParams'
+    field -> the request's name, where they differ)."""
+    try:
+        yield
     except InvalidRequest as error:
         wire_name = wire_names.get(error.param or "")
         if wire_name is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from quart import current_app
@@ -24,6 +25,7 @@ class Services:
     _tool_format: ToolFormat | None = None
     _marker_tokens: dict[str, int] | None = None
     response_store: ResponseStore = field(init=False)  # /v1/responses kept for GET and previous_response_id
+    created: int = field(default_factory=lambda: int(time.time()))  # the model card's: when this server started
 
     def __post_init__(self) -> None:
         c = self.config

@@ -77,6 +77,7 @@ def test_text_whole_and_streamed_agree(server: ThreadedServer, client: openai.Op
     assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
     assert whole.usage.total_tokens == whole.usage.input_tokens + 12
     assert whole.metadata == {"k": "v"} and whole.user == "u1" and whole.instructions == "Be brief."
+    assert whole.tool_choice == "auto" and whole.tools == []  # the API's defaults, as OpenAI echoes them
     (message,) = whole.output
     assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
     assert message.content[0].type == "output_text" and whole.output_text == message.content[0].text != ""
@@ -213,6 +214,7 @@ BAD_BODIES = [
     ({"input": [{"role": "user", "content": "a"}] * 5000}, "input"),
     ({"temperature": 3}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 2047}, "max_output_tokens"),  # over the context with the prompt
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}}, "text.format.schema"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,11 @@ def test_logprobs_shapes(http: httpx.Client) -> None:
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 4
     assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    for logprobs_n in (0, 2):  # the sampled token is always among the top ones (OpenAI: up to logprobs + 1)
+        body = {**COMPLETION, "max_tokens": 6, "logprobs": logprobs_n, "temperature": 1.5, "seed": 3}
+        logprobs = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+            assert top[token] == logprob and logprobs_n <= len(top) <= logprobs_n + 1
     streamed = stream_request(http, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "logprobs": True})
     entries = [e for c in streamed.events[:-1] for e in ((c["choices"][0]["logprobs"] or {}).get("content") or [])]
     assert [e["token"] for e in entries] == [e["token"] for e in content]
@@ -137,6 +143,7 @@ def test_logprobs_shapes(http: httpx.Client) -> None:
 def test_models_and_health(http: httpx.Client) -> None:
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert time.time() - 3600 < models["data"][0]["created"] <= time.time()  # when the server started
     health = http.get("/health")
     assert health.status_code == 200
     assert set(health.json()) == {"state", "waiting", "running", "pending", "free_kv_blocks", "total_kv_blocks"}
@@ -203,6 +210,8 @@ BAD_REQUESTS = [
      None, 400, "response_format", "cannot be compiled"),
     ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": "{oops"}}, None, 400, "structured_outputs.json", ""),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 600}, None, 400, "max_tokens", "512"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 600}, None, 400, "max_completion_tokens",
+     "max_completion_tokens (600)"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, None, 404, "model", "gpt-4"),
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, None, 400, "messages", "required"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, None, 400, "prompt", "empty"),

@@ -178,6 +178,8 @@ class ResponsesRequest(BaseModel):
         return choice, None
 
     def tool_choice_echo(self) -> str | dict[str, Any]:
+        if self.tool_choice is None:
+            return "auto"  # the API's default, shown as OpenAI shows it with or without tools
         kind, name = self.tool_choice_kind()
         return {"type": "function", "name": name} if kind == "function" else kind
 
@@ -196,10 +198,14 @@ class ResponsesRequest(BaseModel):
         schema = closed_objects(fmt.schema_) if fmt.strict else fmt.schema_
         return StructuredOutputs(json=schema, param="text.format.schema")
 
+    def wire_names(self) -> dict[str, str]:
+        """SamplingParams' field -> this request's name for it: what an InvalidRequest about the field names."""
+        return {"max_tokens": "max_output_tokens"}
+
     def to_sampling_params(self) -> SamplingParams:
         """InvalidRequest (400, naming the parameter) for values the engine cannot honour."""
         return checked_sampling_params(
-            {"max_tokens": "max_output_tokens"},
+            self.wire_names(),
             max_tokens=self.max_output_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

@@ -25,6 +25,7 @@ from web.responses_api.request import ResponsesRequest, parse_responses_request
 from web.responses_api.store import ResponseStore
 from web.responses_api.stream import response_events
 from web.routes import admit, collect, parse_json, receive_body
+from web.schemas import named_as_sent
 from web.services import Services, services
 from web.sse import event_stream_response
 from web.tool_calls import plan_tools
@@ -57,7 +58,8 @@ async def create_response() -> Response:
 
     with admit(s, entry, 1) as reservation:
         try:
-            prepared = await s.engine.prepare_chat(builder.id, plan.messages, params, **plan.template_kwargs)
+            with named_as_sent(body.wire_names()):
+                prepared = await s.engine.prepare_chat(builder.id, plan.messages, params, **plan.template_kwargs)
         except InvalidRequest as error:  # the input processor names the chat path's parameter, "messages"
             if error.param != "messages":
                 raise
