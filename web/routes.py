@@ -47,7 +47,8 @@ async def chat_completions() -> Response:
         fmt.read_tool_calls(plan.syntax)
     with admit(s, entry, 1) as reservation:
         with named_as_sent(body.wire_names()):
-            prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **plan.template_kwargs)
+            template_kwargs = {**plan.template_kwargs, **body.template_options()}
+            prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **template_kwargs)
         return await generate(s, reservation, fmt, prepared, bool(body.stream))
 
 

@@ -226,7 +226,21 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat template switches: continue_final_message leaves the last message open for the model to go on
+    (an assistant's words put in its mouth) and implies no generation prompt."""
+
+    model_config = StrictModel
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_options(self) -> dict[str, Any]:
+        if self.continue_final_message:
+            return {"add_generation_prompt": False, "continue_final_message": True}
+        return {"add_generation_prompt": self.add_generation_prompt}
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -327,15 +341,13 @@ class CompletionRequest(SamplingFields):
         return {"prompt_logprobs": "logprobs"}
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(RequestBody, ChatTemplateFields):
     """/tokenize, as vLLM's: a prompt, or chat messages through the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     return_token_strs: bool = False
 
     def check_supported(self) -> None:

@@ -31,9 +31,7 @@ async def tokenize() -> Response:
     body = await tokenizer_request(s, TokenizeRequest)
     if body.messages is not None:
         messages = [m.as_template_dict() for m in body.messages]
-        template_kwargs = {"continue_final_message": True} if body.continue_final_message else {}
-        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
-        tokens = await s.engine.encode_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        tokens = await s.engine.encode_chat(messages, **body.template_options())
     else:
         add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await s.engine.encode_text(body.prompt or "", add_special_tokens=add_special_tokens)

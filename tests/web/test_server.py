@@ -117,6 +117,23 @@ def test_usage_counts_are_exact(server: ThreadedServer, http: httpx.Client) -> N
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (4, 3, 7)
 
 
+def test_the_final_message_can_be_continued(server: ThreadedServer, http: httpx.Client) -> None:
+    """vLLM's continue_final_message: the template leaves the assistant's last words open, no new turn."""
+    messages = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    switches = [{}, {"add_generation_prompt": False}, {"continue_final_message": True}]
+    prompts = [server.engine.input_processor.encode_chat(messages, add_generation_prompt=True),
+               server.engine.input_processor.encode_chat(messages, add_generation_prompt=False),
+               server.engine.input_processor.encode_chat(messages, add_generation_prompt=False,
+                                                         continue_final_message=True)]  # fmt: skip
+    assert len({len(p) for p in prompts}) == 3
+    for fields, prompt in zip(switches, prompts):
+        body = {**CHAT, "messages": messages, "max_tokens": 2, **fields}
+        assert http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == len(prompt)
+        assert http.post("/tokenize", json={"messages": messages, **fields}).json()["tokens"] == prompt
+    response = http.post("/v1/chat/completions", json={**CHAT, "continue_final_message": "yes"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
+
+
 def test_logprobs_shapes(http: httpx.Client) -> None:
     chat = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 3}).json()
     content = chat["choices"][0]["logprobs"]["content"]
