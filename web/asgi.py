@@ -65,6 +65,7 @@ class SluiceASGI:
         self._stop: anyio.Event | None = None  # a launcher's stop request, instead of the signals
         self._stopped: anyio.Event | None = None  # set once drained (or failed): a launcher's shutdown trigger
         self._is_draining = False
+        self._previous_handler: asyncio.Handle | None = None  # Hypercorn's, for a signal (the hypercorn command)
 
     def run_by_launcher(self, stop: anyio.Event | None) -> anyio.Event:
         """A launcher serves this app in its own event loop: it passes `stop` to stop it without a signal (a
@@ -106,27 +107,29 @@ class SluiceASGI:
     # ---- stop ---------------------------------------------------------------------------------------------
     def _take_over_signals(self, tg: TaskGroup) -> None:
         loop = asyncio.get_running_loop()
+        signalled = anyio.Event()
+        # The signal's handler runs outside any task, where anyio cannot start one (under an event loop that
+        # anyio.run did not start, as Hypercorn's): it sets this event, and a task waiting on it drains.
+        tg.start_soon(self._drain_on_stop, signalled)
         for signum in SIGNALS:
             # Hypercorn's handler, when it runs in this process (asyncio keeps one handler per signal).
             previous: asyncio.Handle | None = getattr(loop, "_signal_handlers", {}).get(signum)
-            loop.add_signal_handler(signum, self._on_signal, tg, signum, previous)
+            loop.add_signal_handler(signum, self._on_signal, signalled, signum, previous)
 
-    def _on_signal(self, tg: TaskGroup, signum: int, previous: asyncio.Handle | None) -> None:
-        if self._is_draining:  # a second signal: stop now, every stream ending with "abort" and [DONE]
+    def _on_signal(self, signalled: anyio.Event, signum: int, previous: asyncio.Handle | None) -> None:
+        if self._is_draining or signalled.is_set():  # a second signal: stop now, every stream ending "abort", [DONE]
             logger.warning("%s again: ending every request now", signal.Signals(signum).name)
             self.engine.abort_all()
             self._stop_serving(previous)
             return
         logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, self.drain_timeout)
-        tg.start_soon(self._drain_then_stop, previous)
+        self._previous_handler = previous
+        signalled.set()
 
     async def _drain_on_stop(self, stop: anyio.Event) -> None:
         await stop.wait()
-        await self._drain_then_stop(None)
-
-    async def _drain_then_stop(self, previous: asyncio.Handle | None) -> None:
         await self._drain()
-        self._stop_serving(previous)
+        self._stop_serving(self._previous_handler)
 
     def _stop_serving(self, previous: asyncio.Handle | None) -> None:
         if self._stopped is not None:
@@ -252,6 +255,10 @@ def build_host(config: SluiceConfig) -> SluiceASGI:
 def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
     """For the hypercorn command: reads config.toml (or SLUICE_CONFIG / `config_path`) and SLUICE_<KEY>
     environment variables."""
-    config = load_config(config_path or os.environ.get("SLUICE_CONFIG"))
+    try:
+        config = load_config(config_path)
+    except ValueError as error:  # one line, not a traceback through Hypercorn's loader
+        print(f"configuration error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return build_host(config)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.hang_server import HANG_TEMPERATURE
 from tests.support.lifecycle import LONG, MODEL, SHORT
@@ -92,39 +93,70 @@ def test_sigterm_ends_the_process_in_bounded_time_even_with_a_stuck_forward_pass
         stop(process)
 
 
-def test_the_readme_hypercorn_command_drains_on_a_process_group_sigterm(tiny_llama_dir) -> None:
+# The README's hypercorn command with every forward pass 50 ms slower, so that a long stream outlasts the drain.
+SLOW_HYPERCORN = """
+import sys, time
+from engine.llm_engine import LLMEngine
+execute = LLMEngine.execute
+LLMEngine.execute = lambda self, plan: (time.sleep(0.05), execute(self, plan))[1]
+from hypercorn.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("target", ["process", "group"])
+def test_the_readme_hypercorn_command_drains_on_sigterm(tiny_llama_dir, target: str) -> None:
+    """A SIGTERM to the process (docker stop, kill PID) or to its group (systemd, Ctrl-C) drains: new requests
+    get 503, a stream longer than drain_timeout ends with "abort" and [DONE], the process exits 0."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     env = {
         **os.environ, "SLUICE_MODEL": str(tiny_llama_dir), "SLUICE_DTYPE": "float32", "SLUICE_NUM_THREADS": "1",
         "SLUICE_NUM_KV_BLOCKS": "256", "SLUICE_MAX_NUM_SEQS": "8", "SLUICE_MAX_NUM_BATCHED_TOKENS": "256",
-        "SLUICE_SERVED_MODEL_NAME": MODEL, "SLUICE_DRAIN_TIMEOUT": "1",
+        "SLUICE_SERVED_MODEL_NAME": MODEL, "SLUICE_DRAIN_TIMEOUT": "2",
     }  # fmt: skip
-    hypercorn = str(Path(sys.executable).parent / "hypercorn")
-    command = [hypercorn, "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}", "web.asgi:create_asgi_app()"]
+    command = [sys.executable, "-c", SLOW_HYPERCORN, "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}",
+               "web.asgi:create_asgi_app()"]  # fmt: skip
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)  # fmt: skip
     try:
         wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
         assert process.poll() is None
-        with ThreadPoolExecutor(2) as pool:
-            slow = {**LONG, "max_tokens": 480}
-            bodies = (slow, {**SHORT, "max_tokens": 20})
-            answered = [threading.Event() for _ in bodies]
-            futures = [pool.submit(read_stream, base_url, body, seen) for body, seen in zip(bodies, answered)]
-            # both streams answered first: a request still in the socket when Hypercorn stops accepting is
-            # dropped by Hypercorn, whatever the app does
-            wait_until(lambda: all(seen.is_set() for seen in answered), timeout=10)
-            os.killpg(process.pid, signal.SIGTERM)  # what systemd and container runtimes send
-            results = [f.result(timeout=30) for f in futures]
-        for events in results:
-            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-            assert events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
+        with ThreadPoolExecutor(1) as pool:
+            answered = threading.Event()
+            future = pool.submit(read_stream, base_url, {**LONG, "max_tokens": 480}, answered)  # ~24 s of steps
+            assert answered.wait(30)
+            if target == "group":
+                os.killpg(process.pid, signal.SIGTERM)
+            else:
+                process.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            wait_until(lambda: health(base_url)[1].get("state") == "draining", timeout=5)
+            events = future.result(timeout=30)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert events[-2]["choices"][0]["finish_reason"] == "abort"
         assert process.wait(timeout=30) == 0
+        assert time.monotonic() - sent < 15  # the drain's 2 s and the exit, not the stream's ~24 s
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def test_the_hypercorn_command_exits_1_when_the_engine_cannot_start(tmp_path: Path) -> None:
+    """A supervisor restarts what exits non-zero: under the hypercorn command too (its workers' codes are lost)."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 8)
+    hypercorn = str(Path(sys.executable).parent / "hypercorn")
+    command = [hypercorn, "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{free_port()}",
+               "web.asgi:create_asgi_app()"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, "SLUICE_MODEL": str(junk)}, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "the model did not load" in done.stderr
+    bad = subprocess.run(command, cwd=REPO, env={**os.environ, "SLUICE_MAX_NUM_SEQS": "0"}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "configuration error: max_num_seqs must be a positive integer" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_a_model_it_refuses_ends_the_server_with_one_line_that_says_why(tmp_path: Path) -> None:
