@@ -13,6 +13,7 @@ from engine.speculative.speculator import SpeculativeConfig
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
 PRECISIONS = ("exact", "int8")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class ServerConfig:
             raise ValueError("body_timeout must be > 0, graceful_timeout >= 0 and backlog >= 1")
         if self.step_timeout <= 0 or self.client_read_timeout <= 0:
             raise ValueError("step_timeout and client_read_timeout must be > 0")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.retry_after_seconds < 0:
+            raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.responses_store_max_count < 0 or self.responses_store_max_bytes < 0 or self.responses_store_ttl <= 0:
@@ -145,20 +150,33 @@ class SluiceConfig:
 
 
 def _coerce(cls: type, key: str, value: Any) -> Any:
-    """Coerce a string override (env var / CLI flag) to the field's type."""
-    default = next(f.default for f in fields(cls) if f.name == key)
-    if not isinstance(value, str) or isinstance(default, str):
-        return value
-    if isinstance(default, bool):
+    """A string override (env var / CLI flag) as the field's type; any other value (TOML, Python) must have it."""
+    expected = type(next(f.default for f in fields(cls) if f.name == key))
+    if isinstance(value, str) and expected is not str:
+        return _parse(key, value, expected)
+    if expected is str and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if expected is float and type(value) is int:
+        return float(value)
+    if type(value) is not expected:  # a bool is not an int here, nor a float an int
+        raise ValueError(f"{key} expects {_TYPE_NAMES[expected]}, got {value!r}")
+    return value
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _parse(key: str, value: str, expected: type) -> Any:
+    if expected is bool:
         if value.lower() in ("1", "true", "yes", "on"):
             return True
         if value.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{key} expects a boolean, got {value!r}")
     try:
-        return type(default)(value)
+        return expected(value)
     except ValueError:
-        raise ValueError(f"{key} expects {type(default).__name__}, got {value!r}") from None
+        raise ValueError(f"{key} expects {expected.__name__}, got {value!r}") from None
 
 
 def _build(cls: type, values: dict[str, Any], section: str) -> Any:
@@ -176,7 +194,10 @@ def load_config(
     environ: dict[str, str] | None = None,
     cluster_overrides: dict[str, Any] | None = None,
 ) -> SluiceConfig:
-    """Read config.toml, then SLUICE_<KEY> environment variables, then explicit overrides (highest)."""
+    """Read config.toml (or the file SLUICE_CONFIG names), then SLUICE_<KEY> environment variables, then explicit
+    overrides (highest)."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("SLUICE_CONFIG")
     if path and not Path(path).is_file():  # a file asked for by name must exist; only the default may be absent
         raise ValueError(f"config file {str(path)!r} not found")
     path = Path(path) if path else DEFAULT_CONFIG_PATH
@@ -184,12 +205,17 @@ def load_config(
     if path.exists():
         with open(path, "rb") as f:
             data = tomllib.load(f)
-    environ = os.environ if environ is None else environ
     sections = {
         "engine": (EngineConfig, engine_overrides),
         "server": (ServerConfig, server_overrides),
         "cluster": (ClusterConfig, cluster_overrides),
     }
+    unknown = sorted(set(data) - set(sections))
+    if unknown:  # a misspelt section (or a key outside any) would otherwise be ignored without a word
+        raise ValueError(f"{path}: unknown sections or keys {unknown}; the sections are [engine], [server], [cluster]")
+    for section in sections:
+        if not isinstance(data.get(section, {}), dict):
+            raise ValueError(f"{path}: {section} must be a [{section}] section")
     built = {}
     for section, (cls, overrides) in sections.items():
         values = dict(data.get(section, {}))

@@ -97,7 +97,11 @@ def generate_main(argv: Sequence[str]) -> int:
         parser.error(str(error))
     from engine.llm import LLM  # torch: imported only when generating
 
-    llm = LLM(**{f.name: getattr(config.engine, f.name) for f in fields(config.engine)})
+    try:
+        llm = LLM(**{f.name: getattr(config.engine, f.name) for f in fields(config.engine)})
+    except (ValueError, OSError) as error:  # the loader's refusals and a path that is not there: no traceback
+        print(f"sluice generate: the model did not load: {error}", file=sys.stderr)
+        return 1
     use_chat = not args.raw and bool(llm.tokenizer.chat_template)
     if use_chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -6,7 +6,9 @@ the host's exit code (0 after a drain, 1 after an engine failure or an abandoned
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import socket
 import sys
 from functools import partial
 
@@ -72,8 +74,32 @@ def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> i
     except ValueError as error:
         print(f"configuration error: {error}", file=sys.stderr)
         return 2
+    try:
+        check_can_listen(config.server.host, config.server.port)
+    except OSError as error:
+        print(f"cannot listen on {config.server.host}:{config.server.port}: {error.strerror or error}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.server.api_keys and not _is_loopback(config.server.host):
+        logger.warning("listening on %s with no api_key: whoever reaches this port can use the model",
+                       config.server.host)  # fmt: skip
     return anyio.run(serve_host, build_host(config), hypercorn_config(config.server))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """OSError when Hypercorn could not listen there (the port taken, no such address here), found before the
+    model loads; bound as Hypercorn binds (its family, SO_REUSEADDR: a port in TIME_WAIT after a restart passes)."""
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
 
 
 if __name__ == "__main__":

@@ -214,7 +214,12 @@ class GGUFCheckpoint:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
-        backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        try:
+            backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        except KeyError as missing:  # the conversion indexes the fields its tokenizer model needs
+            model = self.metadata.get("tokenizer.ggml.model")
+            raise ValueError(f"{self.path.name}: its {model!r} tokenizer lacks tokenizer.ggml.{missing.args[0]} "
+                             "in the file's metadata") from None  # fmt: skip
         return backend, {**tokenizer_config, **extra}
 
     def longest_token_chars(self) -> int | None:

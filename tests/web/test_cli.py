@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tomllib
@@ -96,6 +97,49 @@ def test_bad_values_exit_2_with_the_reason() -> None:
     assert done.returncode == 2 and "unknown command" in done.stderr
     done = sluice("serve", "--config", "no-such-file.toml")  # not the defaults, silently
     assert done.returncode == 2 and "config file 'no-such-file.toml' not found" in done.stderr
+    for flags, reason in ((["--log-level", "verbose"], "log_level must be one of"),
+                          (["--retry-after-seconds", "-3"], "retry_after_seconds must be >= 0")):  # fmt: skip
+        done = sluice("serve", *flags)
+        assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[server]\napi_key = 12345\n", "api_key expects a string, got 12345"),
+        ("[engine]\nnum_threads = 1.5\n", "num_threads expects an integer, got 1.5"),
+        ("[server]\nport = true\n", "port expects an integer, got True"),
+        ("[server]\nmax_pending = [1, 2]\n", "max_pending expects an integer"),
+        ("[sever]\nport = 9000\n", "unknown sections or keys ['sever']"),
+        ("port = 9000\n", "unknown sections or keys ['port']"),
+    ],
+)
+def test_a_config_file_of_wrong_types_or_sections_is_one_line_and_exit_2(tmp_path: Path, text: str, reason: str) -> None:
+    config_file = tmp_path / "bad.toml"
+    config_file.write_text(text)
+    for done in (sluice("serve", "--config", str(config_file)), sluice("serve", env={"SLUICE_CONFIG": str(config_file)})):
+        assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_port_it_cannot_listen_on_is_one_line_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = sluice("serve", "--port", str(port), timeout=60)
+    assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr and "engine" not in done.stderr  # no model was loaded
+    done = sluice("serve", "--host", "no-such-host.invalid", timeout=60)
+    assert done.returncode == 1 and "cannot listen on no-such-host.invalid" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_names_a_model_it_cannot_load(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 8)
+    for model, reason in ((junk, "as a GGUF file"), (tmp_path / "missing.gguf", "does not exist")):
+        done = sluice("generate", "hi", "--model", str(model), timeout=120)
+        assert done.returncode == 1 and "the model did not load" in done.stderr and reason in done.stderr
+        assert "Traceback" not in done.stderr
 
 
 # ---- generate ---------------------------------------------------------------------------------------------
