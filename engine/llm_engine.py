@@ -55,10 +55,17 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         kv_capacity = config.num_kv_blocks * config.block_size
         self.max_model_len = min(config.max_model_len, loaded.max_position_embeddings, kv_capacity)
+        if self.max_model_len < min(config.max_model_len, loaded.max_position_embeddings):
+            logger.warning("max_model_len is cut to %d tokens: the KV pool holds no more (num_kv_blocks %d x "
+                           "block_size %d); more blocks allow longer contexts", kv_capacity, config.num_kv_blocks,
+                           config.block_size)  # fmt: skip
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
+        logger.info("KV pool %d blocks x %d tokens, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
+                    "%d threads", config.num_kv_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
+                    config.max_num_batched_tokens, self.runner.num_threads)  # fmt: skip
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(config.speculative_config, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.speculator)
@@ -354,3 +361,4 @@ def _keep_prompt_logprobs(seq: Sequence, first_position: int, scored: list[Sampl
 
 
 __all__ = ["LLMEngine", "StepPlan"]
+

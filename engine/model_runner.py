@@ -27,6 +27,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, sampler: SamplerFn | None = None) -> None:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        self.num_threads = torch.get_num_threads()
         self.backend = loaded.backend  # native or eager (engine/step_backend.py), chosen at load
         self.dtype = loaded.dtype
         self.block_size = config.block_size

@@ -49,6 +49,9 @@ class ServerMetrics:
         self.aborted = Counter("sluice_requests_aborted", "Requests ended by abort (disconnect or drain)", registry=r)
         self.failed = Counter("sluice_requests_failed", "Requests ended by an engine error", registry=r)
         self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length", registry=r)
+        self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of the requests that ended", registry=r)
+        self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated for the requests that ended "
+                                         "(all choices)", registry=r)  # fmt: skip
         self.speculation = SpeculationCollector()
         r.register(self.speculation)
         self._cluster: ClusterMetrics | None = None  # with --replicas: the replicas one by one
@@ -120,3 +123,5 @@ class RequestTimer:
         self._metrics.e2e.observe(time.perf_counter() - self._request.arrival_time)
         metrics = self._metrics
         {FinishReason.ABORT: metrics.aborted, FinishReason.ERROR: metrics.failed}.get(finish_reason, metrics.finished).inc()
+        metrics.prompt_tokens.inc(self._request.num_prompt_tokens)
+        metrics.generation_tokens.inc(self._request.num_output_tokens)
