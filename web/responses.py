@@ -124,8 +124,10 @@ class ChatResponses(_Responses):
             self._delta(d, logprobs=logprobs if i == 0 else None, index=output.index) for i, d in enumerate(deltas)
         ]
 
-    def finish_chunk(self, finish_reason: FinishReason, index: int = 0) -> dict:
-        return self._delta({}, self._finish_reason(finish_reason, self._parser(index)), index=index)
+    def finish_chunk(self, finish_reason: FinishReason, index: int = 0, stop_reason: str | int | None = None) -> dict:
+        chunk = self._delta({}, self._finish_reason(finish_reason, self._parser(index)), index=index)
+        chunk["choices"][0]["stop_reason"] = stop_reason
+        return chunk
 
     @staticmethod
     def _finish_reason(finish_reason: FinishReason | None, parser: ToolCallParser | None) -> FinishReason | None:
@@ -150,7 +152,8 @@ class ChatResponses(_Responses):
                     for c in parser.calls
                 ]
         finish_reason = self._finish_reason(result.finish_reason, parser)
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": result.stop_reason}  # fmt: skip
 
 
 def _event_deltas(events: list[ParserEvent]) -> list[dict[str, Any]]:
@@ -196,8 +199,10 @@ class CompletionResponses(_Responses):
             return []
         return [self._text(output.text_delta, logprobs=logprobs, index=output.index)]
 
-    def finish_chunk(self, finish_reason: FinishReason, index: int = 0) -> dict:
-        return self._text("", finish_reason, index=index)
+    def finish_chunk(self, finish_reason: FinishReason, index: int = 0, stop_reason: str | int | None = None) -> dict:
+        chunk = self._text("", finish_reason, index=index)
+        chunk["choices"][0]["stop_reason"] = stop_reason
+        return chunk
 
     def full_response(self, results: list[ChoiceOutput]) -> dict:
         """results: the request's choices, in index order."""
@@ -225,7 +230,8 @@ class CompletionResponses(_Responses):
             # The first prompt token has no logprob (nothing comes before it): no top_logprobs either.
             tokens = [s or SampledToken(t) for t, s in zip(echo.token_ids, scored)] + tokens
         logprobs = completion_logprobs(tokens, self.token_text, TextOffsets()) if self.wants_logprobs else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason,
+                "stop_reason": result.stop_reason}  # fmt: skip
 
 
 ResponseFormat = ChatResponses | CompletionResponses

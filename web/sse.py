@@ -49,7 +49,8 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
                     break
                 events = [sse_event(chunk) for chunk in fmt.delta_chunks(output)]
                 if output.finished:
-                    events.append(sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP, output.index)))
+                    reason = output.finish_reason or FinishReason.STOP
+                    events.append(sse_event(fmt.finish_chunk(reason, output.index, output.stop_reason)))
                     num_open -= 1
                     if not num_open:
                         if fmt.include_usage:

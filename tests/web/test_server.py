@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import time
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from tests.support.server_harness import ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config
@@ -76,7 +77,8 @@ def test_completion_stream_format(http: httpx.Client) -> None:
     chunks = result.events[:-1]
     assert result.events[-1] == "[DONE]" and len({c["id"] for c in chunks}) == 1
     assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
-    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
@@ -115,6 +117,21 @@ def test_usage_counts_are_exact(server: ThreadedServer, http: httpx.Client) -> N
     assert usage["total_tokens"] == prompt_tokens + 7
     usage = http.post("/v1/completions", json={**COMPLETION, "prompt": [5, 6, 7, 8], "max_tokens": 3}).json()["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (4, 3, 7)
+
+
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(http: httpx.Client) -> None:
+    body = {**COMPLETION, "max_tokens": 16, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "length" and whole["stop_reason"] is None
+    stop = next(c for c in whole["text"][2:] if c.isalnum())
+    for path, fields in (("/v1/completions", {**body, "stop": [stop]}), ("/v1/chat/completions", {**CHAT, "stop": stop})):
+        choice = http.post(path, json=fields).json()["choices"][0]
+        events = stream_request(http, path, fields).events
+        (finish,) = [c["choices"][0] for c in events[:-1] if c["choices"] and c["choices"][0]["finish_reason"]]
+        if choice["finish_reason"] == "stop":  # chat's text is another: it may end by EOS (stop_reason None)
+            assert choice["stop_reason"] in (stop, None) and finish["stop_reason"] == choice["stop_reason"]
+    choice = http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
 
 
 def test_the_final_message_can_be_continued(server: ThreadedServer, http: httpx.Client) -> None:
@@ -168,6 +185,16 @@ def test_models_and_health(http: httpx.Client) -> None:
     for name in ("sluice_admission_seconds_bucket", "sluice_time_to_first_token_seconds_count"):
         assert name in metrics
     assert "sluice_requests_rejected_total" in metrics and "sluice_prefix_cache_hit_rate" in metrics
+
+    def token_counts() -> tuple[float, float]:
+        families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        return tuple(families[name].samples[0].value for name in ("sluice_prompt_tokens", "sluice_generation_tokens"))
+
+    before = token_counts()
+    usage = http.post("/v1/completions", json={**COMPLETION, "n": 2, "ignore_eos": True}).json()["usage"]
+    stream_request(http, "/v1/completions", {**COMPLETION, "ignore_eos": True})
+    after = token_counts()
+    assert after[0] - before[0] == 2 * usage["prompt_tokens"] and after[1] - before[1] == usage["completion_tokens"] + 12
 
 
 def test_stop_and_sampling_parameters_are_accepted(client: openai.OpenAI, http: httpx.Client) -> None:

@@ -49,7 +49,7 @@ class _Outputs:
     async def __aiter__(self):  # type: ignore[no-untyped-def]
         for text, finished in (("a", False), ("b", True)):
             yield SimpleNamespace(text=text, finished=finished, finish_reason=FinishReason.LENGTH if finished else None,
-                                  index=0, error=None)  # fmt: skip
+                                  index=0, error=None, stop_reason=None)  # fmt: skip
 
 
 class _Format:
@@ -61,7 +61,7 @@ class _Format:
     def delta_chunks(self, output: SimpleNamespace) -> list[dict]:
         return [{"text": output.text}]
 
-    def finish_chunk(self, reason: FinishReason, index: int) -> dict:
+    def finish_chunk(self, reason: FinishReason, index: int, stop_reason: str | int | None) -> dict:
         return {"finish": reason.value}
 
 
