@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # ---- generate ---------------------------------------------------------------------------------------------
-def generate_parser() -> argparse.ArgumentParser:
+def generate_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice generate",
         description="Generate once from a prompt with the offline engine (no server), printing text as it "
@@ -73,12 +73,12 @@ def generate_parser() -> argparse.ArgumentParser:
     prompt_form.add_argument("--system", metavar="TEXT", help="a system message (chat template only)")
     prompt_form.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
     prompt_form.add_argument("--stats", action="store_true", help="print TTFT, tokens/s and the finish reason")
-    add_config_flags(parser, sections=("engine",))
+    add_config_flags(parser, sections=("engine",), argv=argv)
     return parser
 
 
 def generate_main(argv: Sequence[str]) -> int:
-    parser = generate_parser()
+    parser = generate_parser(argv)
     args = parser.parse_args(argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
 
@@ -39,12 +40,19 @@ def _default_of(f: Field) -> object:
     return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
 
 
-def add_config_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] = ("engine", "server", "cluster")) -> None:
-    """--config plus one flag per key of the given sections (values stay strings: load_config coerces)."""
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    sections: tuple[str, ...] = ("engine", "server", "cluster"),
+    argv: Sequence[str] | None = None,
+) -> None:
+    """--config plus one flag per key of the given sections (values stay strings: load_config coerces). The help
+    shows the values in effect: those of the file that argv's --config names, if any."""
     parser.add_argument("--config", metavar="PATH", help=f"a config.toml (default: {DEFAULT_CONFIG_PATH})")
     docs = documented_keys()
+    named = argparse.ArgumentParser(add_help=False)
+    named.add_argument("--config")
     try:
-        in_effect: SluiceConfig | None = load_config()
+        in_effect: SluiceConfig | None = load_config(named.parse_known_args(argv)[0].config)
     except ValueError:
         in_effect = None  # a bad SLUICE_* variable: reported when the flags are resolved
     for section in sections:

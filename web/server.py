@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server"
         description="Sluice, an OpenAI-compatible server with a chat page at /. Flags override SLUICE_<KEY> "
         "environment variables, which override the config file.",
     )
-    add_config_flags(parser)
+    add_config_flags(parser, argv=argv)
     return parser.parse_args(argv)
 
 

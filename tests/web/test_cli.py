@@ -88,6 +88,15 @@ def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path, mon
         config_from_args(parse_args([]))
 
 
+def test_help_shows_the_values_of_the_file_config_names(tmp_path: Path) -> None:
+    config_file = tmp_path / "other.toml"
+    config_file.write_text("[server]\nport = 8234\n[engine]\nmax_num_seqs = 5\n")
+    text = " ".join(sluice("serve", "--config", str(config_file), "--help").stdout.split())
+    assert "listen on. (default: 8234)" in text and "(default: 5)" in text
+    text = " ".join(sluice("generate", "--config", str(config_file), "--help").stdout.split())
+    assert "(default: 5)" in text
+
+
 def test_bad_values_exit_2_with_the_reason() -> None:
     done = sluice("serve", "--max-pending", "0")
     assert done.returncode == 2 and "max_pending must be >= 1" in done.stderr
