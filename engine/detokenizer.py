@@ -5,6 +5,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from engine.token_bytes import is_byte_level, piece_bytes
+
 # Prompt tokens fed to the stream first, so that the first output token decodes in context
 # (a SentencePiece "▁word" keeps its leading space after a prompt, as in a full decode).
 NUM_CONTEXT_TOKENS = 4
@@ -28,8 +30,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
     ) -> None:
         self._tokenizer = tokenizer
-        context = _whole_context(tokenizer, prompt_token_ids, skip_special_tokens)
-        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
+        self._stream = _primed_stream(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = stop
         self._include_stop = include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
@@ -97,12 +98,36 @@ class IncrementalDetokenizer:
         return longest
 
 
-def _whole_context(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
-    """The prompt's last few tokens whose text does not end in U+FFFD. DecodeStream emits what follows the text of
-    the tokens it starts with, and takes no such text from tokens that end in U+FFFD (a character the prompt's
-    token ids cut, or a real U+FFFD): its first delta would then repeat the prompt's tail as output."""
-    for end in range(len(prompt_token_ids), max(0, len(prompt_token_ids) - MAX_CONTEXT_SHIFT) - 1, -1):
+def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> DecodeStream:
+    """A DecodeStream that starts after the prompt's text. It emits what follows the text of the tokens it starts
+    with, and takes no such text from tokens whose text ends in U+FFFD: its first delta would then repeat the
+    prompt's tail. So it starts with the prompt's last few tokens that end on a whole character; the tokens after
+    them are stepped through (their text dropped) only when they begin a character the output may finish, and
+    left out when they are whole (a real U+FFFD in the prompt)."""
+    num_prompt = len(prompt_token_ids)
+    for end in range(num_prompt, max(0, num_prompt - MAX_CONTEXT_SHIFT) - 1, -1):
         context = prompt_token_ids[max(0, end - NUM_CONTEXT_TOKENS) : end]
         if not tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-            return context
-    return []
+            break
+    else:
+        context, end = [], num_prompt
+    stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
+    tail = prompt_token_ids[end:]
+    if tail and _begins_a_character(tokenizer, tail):
+        for token_id in tail:
+            stream.step(tokenizer, token_id)
+    return stream
+
+
+def _begins_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
+    """Whether the tokens' bytes end inside a UTF-8 character (False where a token's piece does not spell its
+    bytes)."""
+    byte_level = is_byte_level(tokenizer)
+    pieces = [piece_bytes(tokenizer.id_to_token(t) or "", byte_level) for t in token_ids]
+    if any(p is None for p in pieces):
+        return False
+    try:
+        b"".join(pieces).decode("utf-8")  # type: ignore[arg-type]
+    except UnicodeDecodeError as error:
+        return error.reason == "unexpected end of data"
+    return False

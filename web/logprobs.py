@@ -3,28 +3,10 @@
 from __future__ import annotations
 
 import codecs
-import functools
-import re
 from typing import Any
 
 from engine.batch import SampledToken
-
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-@functools.cache
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-to-printable-character table, inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+from engine.token_bytes import is_byte_level, piece_bytes
 
 
 class TokenText:
@@ -32,8 +14,7 @@ class TokenText:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        decoder = getattr(tokenizer.backend_tokenizer, "decoder", None)
-        self._byte_level = decoder is not None and "ByteLevel" in type(decoder).__name__ + repr(decoder)
+        self._byte_level = is_byte_level(tokenizer.backend_tokenizer)
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
@@ -44,7 +25,7 @@ class TokenText:
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
         piece = self._tokenizer.convert_ids_to_tokens(token_id) or ""
-        raw = self._piece_bytes(piece)
+        raw = piece_bytes(piece, self._byte_level)
         if raw is None:
             text = self._tokenizer.decode([token_id])
             return text, list(text.encode())
@@ -53,17 +34,6 @@ class TokenText:
         except UnicodeDecodeError:
             # OpenAI's spelling for a token that is not a whole character.
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
-
-    def _piece_bytes(self, piece: str) -> bytes | None:
-        if self._byte_level:
-            alphabet = _byte_level_alphabet()
-            if all(c in alphabet for c in piece):
-                return bytes(alphabet[c] for c in piece)
-            return None
-        match = _BYTE_FALLBACK.match(piece)
-        if match:
-            return bytes([int(match.group(1), 16)])
-        return None
 
 
 def chat_logprobs(tokens: list[SampledToken], token_text: TokenText) -> dict[str, Any]:

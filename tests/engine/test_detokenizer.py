@@ -35,7 +35,22 @@ def test_a_prompt_ending_in_a_cut_or_replaced_character_stays_out_of_the_output(
     for prompt_ids in prompts:
         detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, prompt_ids, [], False, True)
         deltas = [detok.step(token_id)[0] for token_id in tokenizer.encode(" is a cafe")] + [detok.flush()]
-        assert "".join(deltas) == " is a cafe" == detok.text, tokenizer.decode(prompt_ids)
+        # the cut character's first bytes, which " is" does not finish, are an invalid character of the output
+        expected = "\ufffd is a cafe" if prompt_ids is cut else " is a cafe"
+        assert "".join(deltas) == expected == detok.text, tokenizer.decode(prompt_ids)
+
+
+def test_an_output_that_finishes_a_character_the_prompt_cut_has_that_character(tokenizer):
+    ids = tokenizer.encode("Der Hauptstadt 日本の首都は東京です")
+    full = tokenizer.decode(ids)
+    num_cut = 0
+    for k in range(1, len(ids)):
+        prompt_text = tokenizer.decode(ids[:k])
+        num_cut += prompt_text.endswith("\ufffd")
+        detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, ids[:k], [], False, True)
+        deltas = [detok.step(token_id)[0] for token_id in ids[k:]] + [detok.flush()]
+        assert "".join(deltas) == full[len(prompt_text.rstrip("\ufffd")) :], k
+    assert num_cut > 5  # the tiny BPE splits these characters across tokens
 
 
 @pytest.mark.parametrize("text", TEXTS)
