@@ -187,3 +187,11 @@ def _first_line(error: BaseException) -> str:
 def _subject(param: str) -> str:
     """'the prompt has' / 'the messages have': the start of a sentence about a request's text."""
     return f"the {param} have" if param.endswith("s") else f"the {param} has"
+
+
+def chat_template_options(add_generation_prompt: bool, continue_final_message: bool) -> dict[str, bool]:
+    """vLLM's switches as the template's arguments: continue_final_message leaves the last message open for the
+    model to go on (an assistant's words put in its mouth) and implies no generation prompt."""
+    if continue_final_message:
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": add_generation_prompt}

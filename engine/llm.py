@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.config import engine_config
 from engine.errors import InvalidRequest
+from engine.input_processor import chat_template_options
 from engine.llm_engine import LLMEngine
 from engine.outputs import ChoiceOutput, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -51,10 +52,14 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[CompletionOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate. As vLLM's:
+        continue_final_message leaves the last message open for the model to go on (no generation prompt)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [self.engine.input_processor.encode_chat(list(c)) for c in conversations]
+        options = chat_template_options(add_generation_prompt, continue_final_message)
+        token_lists = [self.engine.input_processor.encode_chat(list(c), **options) for c in conversations]
         return self._run(token_lists, params, use_tqdm)
 
     def stream(self, prompt: Prompt | list[Message], params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequest
+from engine.input_processor import chat_template_options
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
@@ -227,17 +228,14 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatTemplateFields(BaseModel):
-    """vLLM's chat template switches: continue_final_message leaves the last message open for the model to go on
-    (an assistant's words put in its mouth) and implies no generation prompt."""
+    """vLLM's chat template switches (engine.input_processor.chat_template_options)."""
 
     model_config = StrictModel
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def template_options(self) -> dict[str, Any]:
-        if self.continue_final_message:
-            return {"add_generation_prompt": False, "continue_final_message": True}
-        return {"add_generation_prompt": self.add_generation_prompt}
+        return chat_template_options(self.add_generation_prompt, self.continue_final_message)
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):

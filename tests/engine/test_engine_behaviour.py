@@ -195,19 +195,6 @@ def test_min_tokens_and_stop_token_ids(llm):
     )[0]
     assert cut.token_ids == first.token_ids[: first.token_ids.index(stop_id) + 1]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop_id
-    # The stop token is not text, as a stop string is not (vLLM's rule), unless include_stop_str_in_output.
-    texts = [
-        llm.generate(["Hello"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)[0].text
-        for n in (len(cut.token_ids) - 1, len(cut.token_ids))
-    ]
-    assert cut.text == texts[0]
-    kept = llm.generate(
-        ["Hello"],
-        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[stop_id],
-                       include_stop_str_in_output=True),
-        use_tqdm=False,
-    )[0]  # fmt: skip
-    assert kept.text == texts[1] and kept.token_ids == cut.token_ids
 
 
 def test_eos_is_not_text_even_when_special_tokens_are_shown(default_llm):
@@ -244,6 +231,10 @@ def test_chat_applies_the_template(llm):
     assert llm.tokenizer.decode(out.prompt_token_ids) == expected
     with pytest.raises(ValueError):
         llm.chat([{"role": "user"}], SamplingParams(max_tokens=3), use_tqdm=False)
+    started = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    out = llm.chat(started, SamplingParams(max_tokens=3), use_tqdm=False, continue_final_message=True)[0]
+    expected = llm.tokenizer.apply_chat_template(started, continue_final_message=True, tokenize=False)
+    assert llm.tokenizer.decode(out.prompt_token_ids) == expected and expected.endswith("1, 2, 3,")
 
 
 # ---- the real default model: UTF-8 and stop strings on real text -----------------------------------------
