@@ -54,6 +54,7 @@ def write_llama_gguf(
     num_kv_heads: int = 2,
     tied: bool = False,
     seed: int = 0,
+    with_merges: bool = True,  # False: a file whose tokenizer lacks its merges (a broken conversion)
 ) -> Path:
     rng = np.random.default_rng(seed)
     tok = smollm2_tokenizer()
@@ -74,7 +75,8 @@ def write_llama_gguf(
     writer.add_tokenizer_model(tok["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(tok.get("tokenizer.ggml.pre", "default"))
     writer.add_token_list(tok["tokenizer.ggml.tokens"])
-    writer.add_token_merges(tok["tokenizer.ggml.merges"])
+    if with_merges:
+        writer.add_token_merges(tok["tokenizer.ggml.merges"])
     writer.add_token_types(tok["tokenizer.ggml.token_type"])
     writer.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])

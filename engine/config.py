@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -104,8 +105,8 @@ class ServerConfig:
             raise ValueError("body_timeout must be > 0, graceful_timeout >= 0 and backlog >= 1")
         if self.step_timeout <= 0 or self.client_read_timeout <= 0:
             raise ValueError("step_timeout and client_read_timeout must be > 0")
-        if self.log_level.lower() not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.log_level.upper() not in logging.getLevelNamesMapping():
+            raise ValueError(f"log_level must be one of {LOG_LEVELS} (or another of logging's), got {self.log_level!r}")
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
         if self.max_body_bytes < 1:
@@ -149,6 +150,9 @@ class SluiceConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(cls: type, key: str, value: Any) -> Any:
     """A string override (env var / CLI flag) as the field's type; any other value (TOML, Python) must have it."""
     expected = type(next(f.default for f in fields(cls) if f.name == key))
@@ -163,20 +167,17 @@ def _coerce(cls: type, key: str, value: Any) -> Any:
     return value
 
 
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-
-
 def _parse(key: str, value: str, expected: type) -> Any:
     if expected is bool:
         if value.lower() in ("1", "true", "yes", "on"):
             return True
         if value.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{key} expects a boolean, got {value!r}")
+        raise ValueError(f"{key} expects {_TYPE_NAMES[bool]}, got {value!r}")
     try:
         return expected(value)
     except ValueError:
-        raise ValueError(f"{key} expects {expected.__name__}, got {value!r}") from None
+        raise ValueError(f"{key} expects {_TYPE_NAMES[expected]}, got {value!r}") from None
 
 
 def _build(cls: type, values: dict[str, Any], section: str) -> Any:

@@ -361,4 +361,3 @@ def _keep_prompt_logprobs(seq: Sequence, first_position: int, scored: list[Sampl
 
 
 __all__ = ["LLMEngine", "StepPlan"]
-

@@ -14,8 +14,9 @@ process that exits past it loses what its transports still hold, cutting a strea
 Hypercorn told to stop, so it finds nothing left open: through the
 `stopped` event a launcher gives Hypercorn as its shutdown trigger, or, under the hypercorn command, by
 handing the signal on to Hypercorn's own handler (left alone, that handler would close the listeners and,
-after graceful_timeout, cut open streams before the lifespan shutdown ever ran; a worker process spawned by
-Hypercorn dies at once on a SIGTERM sent to the process group). A second signal stops at once.
+after graceful_timeout, cut open streams before the lifespan shutdown ever ran). web/hypercorn.toml runs no
+worker processes: a worker of Hypercorn's parent process never sees a SIGTERM sent to the parent alone.
+A second signal stops at once.
 
 Engine failure: a crashed loop or a stalled step (the watchdog) has ended every open stream with an error
 event; they get FAILURE_FLUSH_SECONDS to be written, then the server stops and the process exits 1 (a
@@ -33,6 +34,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -65,6 +67,7 @@ class SluiceASGI:
         self._stop: anyio.Event | None = None  # a launcher's stop request, instead of the signals
         self._stopped: anyio.Event | None = None  # set once drained (or failed): a launcher's shutdown trigger
         self._is_draining = False
+        self._signalled = anyio.Event()  # a first SIGTERM / SIGINT (set by its handler)
         self._previous_handler: asyncio.Handle | None = None  # Hypercorn's, for a signal (the hypercorn command)
 
     def run_by_launcher(self, stop: anyio.Event | None) -> anyio.Event:
@@ -107,37 +110,35 @@ class SluiceASGI:
     # ---- stop ---------------------------------------------------------------------------------------------
     def _take_over_signals(self, tg: TaskGroup) -> None:
         loop = asyncio.get_running_loop()
-        signalled = anyio.Event()
         # The signal's handler runs outside any task, where anyio cannot start one (under an event loop that
         # anyio.run did not start, as Hypercorn's): it sets this event, and a task waiting on it drains.
-        tg.start_soon(self._drain_on_stop, signalled)
+        self._signalled = anyio.Event()
+        tg.start_soon(self._drain_on_stop, self._signalled)
         for signum in SIGNALS:
             # Hypercorn's handler, when it runs in this process (asyncio keeps one handler per signal).
             previous: asyncio.Handle | None = getattr(loop, "_signal_handlers", {}).get(signum)
-            loop.add_signal_handler(signum, self._on_signal, signalled, signum, previous)
+            loop.add_signal_handler(signum, self._on_signal, signum, previous)
 
-    def _on_signal(self, signalled: anyio.Event, signum: int, previous: asyncio.Handle | None) -> None:
-        if self._is_draining or signalled.is_set():  # a second signal: stop now, every stream ending "abort", [DONE]
+    def _on_signal(self, signum: int, previous: asyncio.Handle | None) -> None:
+        self._previous_handler = previous
+        if self._is_draining or self._signalled.is_set():  # a second signal: stop now, each stream "abort", [DONE]
             logger.warning("%s again: ending every request now", signal.Signals(signum).name)
             self.engine.abort_all()
-            self._stop_serving(previous)
+            self._stop_serving()
             return
         logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, self.drain_timeout)
-        self._previous_handler = previous
-        signalled.set()
+        self._signalled.set()
 
     async def _drain_on_stop(self, stop: anyio.Event) -> None:
         await stop.wait()
         await self._drain()
-        self._stop_serving(self._previous_handler)
+        self._stop_serving()
 
-    def _stop_serving(self, previous: asyncio.Handle | None) -> None:
+    def _stop_serving(self) -> None:
         if self._stopped is not None:
             self._stopped.set()
-        # Under the hypercorn command: its handler stops it (in a worker process of its own, Hypercorn stops
-        # when its parent, signalled too, tells it to).
-        if previous is not None:
-            previous._run()
+        if self._previous_handler is not None:  # the hypercorn command: its own handler stops it
+            self._previous_handler._run()
 
     async def _drain(self) -> None:
         # The lifespan's shutdown drains again after a signal's drain: the engine's drain is idempotent, and the
@@ -255,10 +256,19 @@ def build_host(config: SluiceConfig) -> SluiceASGI:
 def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
     """For the hypercorn command: reads config.toml (or SLUICE_CONFIG / `config_path`) and SLUICE_<KEY>
     environment variables."""
+    config = configured(partial(load_config, config_path))
+    start_logging(config)
+    return build_host(config)
+
+
+def configured(read: Callable[[], SluiceConfig]) -> SluiceConfig:
+    """read()'s config; a bad value, wherever it came from, ends the process with one line and exit 2."""
     try:
-        config = load_config(config_path)
-    except ValueError as error:  # one line, not a traceback through Hypercorn's loader
+        return read()
+    except ValueError as error:
         print(f"configuration error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def start_logging(config: SluiceConfig) -> None:
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return build_host(config)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 import socket
 import sys
 from functools import partial
@@ -19,7 +18,7 @@ from quart import Quart
 
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
-from web.asgi import SluiceASGI, build_engine, build_host, exit_code, logger
+from web.asgi import SluiceASGI, build_engine, build_host, configured, exit_code, logger, start_logging
 
 __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "serve_host"]
 from web.config_flags import add_config_flags, config_from_args
@@ -69,17 +68,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> int:
-    try:
-        config = config_from_args(parse_args(argv, prog))
-    except ValueError as error:
-        print(f"configuration error: {error}", file=sys.stderr)
-        return 2
+    config = configured(lambda: config_from_args(parse_args(argv, prog)))
     try:
         check_can_listen(config.server.host, config.server.port)
     except OSError as error:
         print(f"cannot listen on {config.server.host}:{config.server.port}: {error.strerror or error}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(config)
     if not config.server.api_keys and not _is_loopback(config.server.host):
         logger.warning("listening on %s with no api_key: whoever reaches this port can use the model",
                        config.server.host)  # fmt: skip

@@ -212,14 +212,18 @@ class GGUFCheckpoint:
         """transformers' GGUF tokenizer conversion, called directly: AutoTokenizer's GGUF path would also rebuild
         the config through gguf's GGUFReader, which walks every vocabulary string in Python (tens of seconds)."""
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
-        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
         try:
+            architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
             backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        except KeyError as missing:  # the conversion indexes the fields its tokenizer model needs
+        except KeyError as error:  # the conversion indexes the metadata fields its tokenizer model needs
+            fields = {name: f"tokenizer.{key}" for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()}
+            missing = fields.get(error.args[0] if error.args else None)
+            if missing is None:
+                raise
             model = self.metadata.get("tokenizer.ggml.model")
-            raise ValueError(f"{self.path.name}: its {model!r} tokenizer lacks tokenizer.ggml.{missing.args[0]} "
-                             "in the file's metadata") from None  # fmt: skip
+            raise ValueError(f"{self.path.name}: its {model!r} tokenizer needs {missing}, which the file lacks") from None
         return backend, {**tokenizer_config, **extra}
 
     def longest_token_chars(self) -> int | None:

@@ -21,6 +21,7 @@ from engine.checkpoint.source import open_checkpoint
 from engine.checkpoint.stored_tensor import StoredTensor
 from engine.config import EngineConfig
 from engine.loader import load_model
+from engine.models.packaged import gemma3_270m_gguf
 from engine.native import native_ops
 
 from tests.support.engine_helpers import hf_model
@@ -134,6 +135,17 @@ def test_files_sluice_cannot_run_get_errors_that_name_why(tmp_path: Path) -> Non
     writer.close()
     with pytest.raises(ValueError, match="falcon"):
         load_model(EngineConfig(model=str(falcon)))
+
+
+def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_path: Path) -> None:
+    no_merges = write_llama_gguf(tmp_path / "no-merges.gguf", {"layers": "Q8_0"}, hidden=64, intermediate=128,
+                                 num_layers=1, with_merges=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"needs tokenizer.ggml.(merges|scores), which the file lacks"):
+        open_checkpoint(str(no_merges)).tokenizer()
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.raises(ValueError, match="cannot assemble Gemma 3 270M in the cache_dir"):
+        gemma3_270m_gguf(not_a_folder / "cache")
 
 
 def test_a_truncated_file_says_so(mixed_gguf: Path, tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def test_flags_win_over_environment_which_wins_over_the_file(tmp_path: Path, mon
     assert (generate.engine.max_num_seqs, generate.engine.block_size) == (2, 32)
 
     monkeypatch.setenv("SLUICE_MAX_PENDING", "many")
-    with pytest.raises(ValueError, match="max_pending expects int"):
+    with pytest.raises(ValueError, match="max_pending expects an integer"):
         config_from_args(parse_args([]))
 
 
