@@ -142,6 +142,7 @@ class InputProcessor:
     def _prepare(self, request_id: str, prompt: list[int], params: SamplingParams, param: str) -> PreparedRequest:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
+        params.check()
         self._check_num_tokens(len(prompt), param)
         max_tokens = self.check_lengths(len(prompt), params)
         structured = params.structured_outputs

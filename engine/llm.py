@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -30,6 +31,10 @@ class LLM:
         self.engine = LLMEngine(engine_config(**overrides))
         self.tokenizer = self.engine.tokenizer
         self._request_ids = itertools.count()
+        # Calls from several threads, or several open streams, share the engine: one steps it at a time, and each
+        # step's deltas go to the inbox of their request, read by the call that added it.
+        self._lock = threading.Lock()
+        self._inbox: dict[str, list[RequestOutput]] = {}
 
     def generate(
         self,
@@ -69,19 +74,19 @@ class LLM:
         is_conversation = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         processor = self.engine.input_processor
         encode = processor.encode_chat if is_conversation else processor.encode_prompt
-        request_id = f"offline-{next(self._request_ids)}"
         params = params or SamplingParams()
-        self.engine.add_request(request_id, encode(prompt), params)  # type: ignore[arg-type]
+        request_id = self._add(encode(prompt), params)  # type: ignore[arg-type]
         num_open = params.n
         try:
-            while True:
-                for delta in self.engine.step():
+            while num_open:
+                deltas = self._next_deltas((request_id,))
+                if not deltas:
+                    return
+                for delta in deltas:
                     yield delta
                     num_open -= delta.finished
-                    if not num_open:
-                        return
         finally:
-            self.engine.abort(request_id)
+            self._abort(request_id)
 
     def _run(
         self, token_lists: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool
@@ -94,14 +99,15 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         try:
             for token_ids, p in zip(token_lists, params_list):
-                request_id = f"offline-{next(self._request_ids)}"
-                self.engine.add_request(request_id, token_ids, p)
-                choices = [ChoiceOutput(i) for i in range(p.n)]
-                results[request_id] = CompletionOutput(request_id, token_ids, choices)
+                request_id = self._add(token_ids, p)
+                results[request_id] = CompletionOutput(request_id, token_ids, [ChoiceOutput(i) for i in range(p.n)])
             with tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 num_pending = len(results)
                 while num_pending:
-                    for delta in self.engine.step():
+                    deltas = self._next_deltas(results)
+                    if not deltas:
+                        break
+                    for delta in deltas:
                         result = results[delta.request_id]
                         result.absorb(delta)
                         if delta.finished and result.is_finished:
@@ -109,5 +115,37 @@ class LLM:
                             bar.update(1)
         finally:
             for request_id in results:  # on an error (or KeyboardInterrupt), leave nothing behind
-                self.engine.abort(request_id)
+                self._abort(request_id)
         return list(results.values())
+
+    def _add(self, token_ids: list[int], params: SamplingParams) -> str:
+        request_id = f"offline-{next(self._request_ids)}"
+        with self._lock:
+            self.engine.add_request(request_id, token_ids, params)
+            self._inbox[request_id] = []
+        return request_id
+
+    def _next_deltas(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """The next deltas of these requests, stepping the engine (for every request in it) until some come; []
+        when none of them is live any more."""
+        with self._lock:
+            while True:
+                found = [delta for request_id in request_ids for delta in self._take(request_id)]
+                if found or not any(request_id in self.engine.requests for request_id in request_ids):
+                    return found
+                for delta in self.engine.step():
+                    inbox = self._inbox.get(delta.request_id)
+                    if inbox is not None:  # None: a request added through self.engine, not by this LLM
+                        inbox.append(delta)
+
+    def _take(self, request_id: str) -> list[RequestOutput]:
+        inbox = self._inbox.get(request_id)
+        if not inbox:
+            return []
+        self._inbox[request_id] = []
+        return inbox
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort(request_id)
+            self._inbox.pop(request_id, None)

@@ -129,6 +129,9 @@ class LLMEngine:
         except Exception as error:
             self.fail_step(plan, error)
             raise
+        except BaseException:  # KeyboardInterrupt in the caller's thread: the step's tokens are lost
+            self.interrupt_step(plan)
+            raise
         return self.finish_step(plan, output)
 
     def schedule_step(self) -> StepPlan | None:
@@ -241,6 +244,14 @@ class LLMEngine:
             self._finish(seq, FinishReason.ERROR)
             outputs += self.output_processor.final(seq, FinishReason.ERROR, FORWARD_FAILED)
         return outputs
+
+    def interrupt_step(self, plan: StepPlan) -> None:
+        """The caller was interrupted during the forward pass (Ctrl-C): its requests end as aborted, their blocks
+        freed, and the engine serves the next step."""
+        self._plan = None
+        for chunk in plan.chunks:
+            if chunk.seq.request_id in self.requests:
+                self._finish(chunk.seq, FinishReason.ABORT)
 
     # ---- internals ------------------------------------------------------------------------------------
     def _choices(self, request: PreparedRequest) -> list[Sequence]:

@@ -73,6 +73,11 @@ class SamplingParams:
     speculative: bool = True
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """InvalidRequest naming the first field the engine cannot honour; normalises stop, stop_token_ids and
+        logit_bias. Run again when a request is added: the fields may have been changed since."""
         max_tokens, min_tokens = self.max_tokens, self.min_tokens
         _require(max_tokens is None or (_is_int(max_tokens) and max_tokens >= 1), "max_tokens",
                  f"max_tokens must be an integer >= 1, got {max_tokens!r}")  # fmt: skip
@@ -133,6 +138,10 @@ class SamplingParams:
         _require(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with structured outputs")
 
     def _check_stops(self) -> None:
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _require(isinstance(getattr(self, name), bool), name, f"{name} must be true or false")
+        if self.stop_token_ids is None:  # vLLM's default
+            self.stop_token_ids = []
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -36,6 +36,11 @@ class StructuredOutputs:
             raise InvalidRequest(message, self.param)
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise InvalidRequest("json must be a JSON schema (an object or its JSON text)", self._param("json"))
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as error:  # a set, bytes, NaN...: no JSON schema holds it
+                raise InvalidRequest(f"json is not JSON: {error}", self._param("json")) from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

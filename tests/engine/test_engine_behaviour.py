@@ -1,6 +1,8 @@
 """The step API and the offline API: sampling, UTF-8, stop strings, aborts, bad input, block accounting."""
 
+import itertools
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -164,6 +166,9 @@ def test_length_errors_name_the_text_in_a_sentence(llm):
         {"stop": ["x"] * 17},
         {"stop": ["x" * 257]},
         {"stop_token_ids": list(range(257))},
+        {"ignore_eos": "false"},
+        {"skip_special_tokens": None},
+        {"include_stop_str_in_output": 1},
     ],
 )
 def test_bad_sampling_params_raise_value_error_naming_the_parameter(kwargs):
@@ -291,3 +296,61 @@ def test_stop_string_spanning_tokens_never_leaks_on_the_real_model(default_llm):
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert "".join(deltas) == text[:start]
     assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+
+
+# ---- the offline API shared: several streams, several threads, Ctrl-C ----------------------------------------
+
+
+def test_open_streams_and_threads_each_get_their_own_deltas(llm):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 14)]
+    alone = [llm.generate([p], q, use_tqdm=False)[0].token_ids for p, q in zip(("Hello", "The fox"), params)]
+    streams = [llm.stream(p, q) for p, q in zip(("Hello", "The fox"), params)]
+    tokens: list[list[int]] = [[], []]
+    for deltas in itertools.zip_longest(*streams):  # read in turns: each step feeds both
+        for i, delta in enumerate(deltas):
+            if delta is not None:
+                tokens[i] += delta.new_token_ids
+    assert tokens == alone and [len(t) for t in tokens] == [6, 14]
+    open_stream = llm.stream("Hello", params[1])
+    first = next(open_stream).new_token_ids  # a stream left open while another call runs: neither loses a delta
+    assert llm.generate(["The fox"], params[1], use_tqdm=False)[0].token_ids == alone[1]
+    rest = [t for delta in open_stream for t in delta.new_token_ids]
+    assert first + rest == llm.generate(["Hello"], params[1], use_tqdm=False)[0].token_ids
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda i: llm.generate(["Hello", "The fox"], params, use_tqdm=False), range(4)))
+    assert all([r.token_ids for r in result] == alone for result in done)
+    assert_pool_full(llm)
+
+
+def test_ctrl_c_during_a_forward_pass_leaves_the_llm_usable(llm, monkeypatch):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [r.text for r in llm.generate(["Hello", "The fox"], params, use_tqdm=False)]
+    run = llm.engine.runner.run
+    calls = itertools.count()
+
+    def interrupted(batch):  # the KeyboardInterrupt Python raises in the main thread at a signal
+        if next(calls) == 3:
+            raise KeyboardInterrupt
+        return run(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hello", "The fox"], params, use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.is_step_running
+    assert_pool_full(llm)
+    assert [r.text for r in llm.generate(["Hello", "The fox"], params, use_tqdm=False)] == expected
+    calls = itertools.count()
+    with pytest.raises(KeyboardInterrupt):
+        list(llm.stream("Hello", params))
+    assert_pool_full(llm)
+
+
+def test_params_changed_after_construction_are_checked_when_added(llm):
+    good = SamplingParams(max_tokens=4, temperature=0)
+    bad = SamplingParams(max_tokens=4)
+    bad.temperature = float("nan")
+    with pytest.raises(InvalidRequest) as raised:
+        llm.generate(["Hello", "The fox", "Hi"], [good, bad, good], use_tqdm=False)
+    assert raised.value.param == "temperature"
+    assert_pool_full(llm)
+    assert len(llm.generate(["Hello"], good, use_tqdm=False)[0].token_ids) == 4

@@ -117,7 +117,8 @@ def test_a_constraint_that_does_not_compile_is_invalid_naming_its_parameter(llm,
 
 
 def test_bad_constraint_values_are_invalid_on_construction():
-    for kind in (dict(), dict(regex="a", choice=["a"]), dict(choice=[]), dict(regex=""), dict(json=3)):
+    not_json = dict(json={"enum": {"a", "b"}})  # a Python set: no JSON holds it
+    for kind in (dict(), dict(regex="a", choice=["a"]), dict(choice=[]), dict(regex=""), dict(json=3), not_json):
         with pytest.raises(InvalidRequest):
             StructuredOutputs(**kind)
     with pytest.raises(InvalidRequest) as error:
