@@ -96,6 +96,9 @@ class InputProcessor:
     ) -> list[int]:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequest("messages must be a non-empty list", param="messages")
+        if len(messages) > self.max_model_len:  # each costs a token or more of markup, whatever its content
+            raise InvalidRequest(f"{len(messages)} messages: more than the {self.max_model_len}-token context "
+                                 "(max_model_len) can hold", param="messages")  # fmt: skip
         num_chars = 0
         for message in messages:
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):

@@ -120,9 +120,10 @@ class SamplingParams:
                  f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")  # fmt: skip
         checked: dict[int, float] = {}
         for key, value in bias.items():
-            token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+            is_id_text = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20  # int(): 4,300 digits
+            token_id = int(key) if is_id_text else key
             _require(_is_int(token_id) and token_id >= 0, "logit_bias",
-                     f"logit_bias keys must be token ids (non-negative integers), got {key!r}")  # fmt: skip
+                     f"logit_bias keys must be token ids (non-negative integers), got {repr(key)[:40]}")  # fmt: skip
             _require(_is_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS, "logit_bias",
                      f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key!r}")  # fmt: skip
             checked[token_id] = float(value)

@@ -19,6 +19,7 @@ from web.tokenizer_routes import blueprint as tokenizer_routes
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
     app = Quart("sluice", static_folder=None)  # the chat page's blueprint serves web/static/
+    app.url_map.merge_slashes = False  # "//" would get a redirect built from the client's Host header: a 404 instead
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
         BODY_TIMEOUT=config.body_timeout,

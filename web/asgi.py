@@ -28,9 +28,11 @@ os._exit HARD_EXIT_SECONDS after it was abandoned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -234,12 +236,23 @@ def arm_hard_exit() -> None:
     timer.start()
 
 
+def raise_open_files_limit() -> None:
+    """Each connection holds a file descriptor. At the soft limit (often 1,024 under systemd) asyncio's accept
+    loop retries EMFILE up to `backlog` times a turn, a traceback logged each time: a flood of idle connections
+    spun a core and wrote megabytes of log a second. The hard limit is what the process may have."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def build_host(config: SluiceConfig) -> SluiceASGI:
     """The process-wide settings every launcher makes, then the engine, the Quart app and their host."""
     from web.app import create_app
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     limit_arenas()
+    raise_open_files_limit()
     # Until the engine has started (_run_engine): the imports of torch and transformers and the load make ~300,000
     # objects that live as long as the process, and the collector walked them again and again as they grew
     # (0.4-0.5 s of a 2.5 s start); the start ends with one collection and a freeze.

@@ -109,6 +109,12 @@ def register_error_handlers(app: Quart) -> None:
             response.headers["Allow"] = error.get_response().headers["Allow"]
         return response
 
+    @app.errorhandler(RecursionError)
+    async def handle_too_deep(error: RecursionError) -> Response:
+        # JSON the parser takes (up to 1,024 levels) that a schema's walk cannot: the request's doing, not a bug
+        await drain_request_body(400)
+        return APIError(400, "the request's JSON nests too deeply to be used (a schema or tool parameters)").response()
+
     @app.errorhandler(Exception)
     async def handle_unexpected(error: Exception) -> Response:
         # The client sees no detail of it (no repr, path or shape); the log has the traceback.

@@ -10,6 +10,7 @@ import ipaddress
 import socket
 import sys
 from functools import partial
+from typing import Any
 
 import anyio
 from hypercorn.asyncio import serve as hypercorn_serve
@@ -24,7 +25,14 @@ __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "s
 from web.config_flags import add_config_flags, config_from_args
 
 
-def hypercorn_config(server: ServerConfig) -> HypercornConfig:
+# SO_SNDBUF of the listening socket, which the connections it accepts inherit (Linux doubles it): a client that
+# stops reading a stream fills it within about a thousand events, so that the server's writes wait and
+# client_read_timeout ends the request. Left to autotuning, the kernel takes up to tcp_wmem's 4 MB per connection
+# first, and a long stream never read held its running slot to the end.
+SEND_BUFFER_BYTES = 128 * 1024
+
+
+def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_BYTES) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"{server.host}:{server.port}"]
     # The drain happens in the application before Hypercorn is told to stop: its grace period is a backstop.
@@ -32,6 +40,15 @@ def hypercorn_config(server: ServerConfig) -> HypercornConfig:
     config.backlog = server.backlog
     config.accesslog = None
     config.errorlog = logger
+    create_sockets = config.create_sockets
+
+    def sockets_with_bounded_send_buffers() -> Any:
+        sockets = create_sockets()
+        for sock in [*sockets.insecure_sockets, *sockets.secure_sockets]:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+        return sockets
+
+    config.create_sockets = sockets_with_bounded_send_buffers  # type: ignore[method-assign]
     return config
 
 

@@ -23,7 +23,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ServerConfig
 from web.app import create_app
-from web.server import hypercorn_config, serve
+from web.server import SEND_BUFFER_BYTES, hypercorn_config, serve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,17 +89,7 @@ class ThreadedServer:
     def __enter__(self) -> ThreadedServer:
         self._portal = self._exit.enter_context(start_blocking_portal("asyncio"))
         self._stop = self._portal.call(anyio.Event)
-        hconfig = hypercorn_config(self.config)
-        if self.send_buffer_bytes is not None:
-            create_sockets, size = hconfig.create_sockets, self.send_buffer_bytes
-
-            def small_buffer_sockets() -> Any:
-                sockets = create_sockets()
-                for sock in sockets.insecure_sockets:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-                return sockets
-
-            hconfig.create_sockets = small_buffer_sockets  # type: ignore[method-assign]
+        hconfig = hypercorn_config(self.config, self.send_buffer_bytes or SEND_BUFFER_BYTES)
         self._served = self._portal.start_task_soon(
             lambda: serve(self.async_engine, self.app, self.config, bind=hconfig, stop=self._stop)
         )

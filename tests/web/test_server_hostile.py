@@ -5,6 +5,7 @@ the server keeps serving everyone else."""
 from __future__ import annotations
 
 import json
+import resource
 import socket
 import statistics
 import threading
@@ -17,9 +18,14 @@ import httpx
 import orjson
 import pytest
 
+from engine.config import ServerConfig
+from web.asgi import raise_open_files_limit
+from web.server import SEND_BUFFER_BYTES, hypercorn_config
+
 from tests.support.lifecycle import LONG, MODEL, SHORT, engine_idle, metric
 from tests.support.server_harness import (
     ThreadedServer,
+    free_port,
     health,
     llm_engine_loader,
     slowed,
@@ -81,12 +87,15 @@ def raw_post(base_url: str, path: str, body: bytes) -> tuple[int, dict[str, Any]
         ({"prompt": "x" * (MAX_BODY_BYTES - 100)}, "prompt"),  # refused before any tokenization
         ({"prompt": ["a", "b", "c"]}, "prompt"),  # more prompts than max_pending (2)
         ({"prompt": ["a", "b"], "n": 2}, "n"),  # 4 sequences: one request may not hold more than the queue
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past int()'s 4,300 digits
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "DEEP"}}}, None),
     ],
 )
 def test_values_that_cannot_be_honoured_get_a_400_naming_the_parameter(
     http: httpx.Client, fields: dict[str, Any], param: str | None
 ) -> None:
-    body = json.dumps({**SHORT, **fields}).replace('"INF"', "1e999").replace('"-INF"', "-1e999")
+    deep = '{"anyOf": [' * 500 + '{"type": "string"}' + "]}" * 500  # JSON the parser takes, a schema walk cannot
+    body = json.dumps({**SHORT, **fields}).replace('"INF"', "1e999").replace('"-INF"', "-1e999").replace('"DEEP"', deep)
     response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -235,3 +244,36 @@ def test_a_client_that_never_reads_is_aborted_and_disconnected(server: ThreadedS
             assert received.startswith(b"HTTP/1.1 200")
         finally:
             sock.close()
+
+
+def test_a_doubled_slash_is_a_json_404_not_a_redirect_to_the_clients_host(http: httpx.Client) -> None:
+    response = http.post("/v1//completions", json=SHORT, headers={"host": "evil.example"})
+    assert response.status_code == 404 and "location" not in response.headers
+    assert response.json()["error"]["code"] == "not_found"
+
+
+def test_thousands_of_empty_messages_are_refused_before_the_template(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": ""}] * 20_000
+    started = time.monotonic()
+    response = http.post("/v1/chat/completions", json={"model": SHORT["model"], "messages": messages, "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "20000 messages" in response.json()["error"]["message"] and time.monotonic() - started < 5
+
+
+def test_accepted_connections_get_a_bounded_send_buffer() -> None:
+    """A client that stops reading fills it soon, so that client_read_timeout can end its request (autotuned, the
+    kernel would queue up to 4 MB first)."""
+    sockets = hypercorn_config(ServerConfig(port=free_port())).create_sockets()
+    (listener,) = sockets.insecure_sockets
+    with listener:
+        assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * SEND_BUFFER_BYTES  # Linux doubles it
+
+
+def test_the_open_files_limit_is_raised_to_what_the_process_may_have() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        raise_open_files_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
