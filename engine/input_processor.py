@@ -100,19 +100,22 @@ class InputProcessor:
             raise InvalidRequest(f"{len(messages)} messages: more than the {self.max_model_len}-token context "
                                  "(max_model_len) can hold", param="messages")  # fmt: skip
         num_chars = 0
+        texts = []
         for message in messages:
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise InvalidRequest("each message must be an object with a string 'role'", param="messages")
             content = message.get("content")
-            if not isinstance(content, str):
-                raise InvalidRequest("each message's 'content' must be a string", param="messages")
-            num_chars += len(content) + (len(repr(message["tool_calls"])) if message.get("tool_calls") else 0)
+            if not isinstance(content, str):  # OpenAI's other spellings: an assistant's null, a list of text parts
+                message = {**message, "content": _text_of_parts(content, message["role"])}
+            texts.append(message)
+            num_chars += len(message["content"])
+            num_chars += len(repr(message["tool_calls"])) if message.get("tool_calls") else 0
         self._check_chars(num_chars + len(repr(template_kwargs.get("tools") or "")), "messages")
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+                texts, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
             )
         except Exception as error:  # jinja raises its own errors for conversations a template rejects
             raise InvalidRequest(f"the chat template rejected the messages: {_first_line(error)}", "messages") from None
@@ -191,6 +194,18 @@ def _first_line(error: BaseException) -> str:
 def _subject(param: str) -> str:
     """'the prompt has' / 'the messages have': the start of a sentence about a request's text."""
     return f"the {param} have" if param.endswith("s") else f"the {param} has"
+
+
+def _text_of_parts(content: Any, role: str) -> str:
+    if content is None and role == "assistant":  # a turn of tool calls alone
+        return ""
+    is_text = isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    )
+    if not is_text:
+        raise InvalidRequest("each message's 'content' must be a string or a list of text parts "
+                             '({"type": "text", "text": ...}); null for an assistant only', param="messages")  # fmt: skip
+    return "".join(part["text"] for part in content)
 
 
 def chat_template_options(add_generation_prompt: bool, continue_final_message: bool) -> dict[str, bool]:
