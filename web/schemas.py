@@ -238,8 +238,12 @@ class ChatTemplateFields(BaseModel):
         return chat_template_options(self.add_generation_prompt, self.continue_final_message)
 
 
+# More messages than any context holds: refused as the list is read (validating 140,000 held the loop ~0.8 s).
+MAX_MESSAGES = 8192
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -344,7 +348,7 @@ class TokenizeRequest(RequestBody, ChatTemplateFields):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     return_token_strs: bool = False
 
