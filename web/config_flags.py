@@ -53,8 +53,9 @@ def add_config_flags(
     named.add_argument("--config")
     try:
         in_effect: SluiceConfig | None = load_config(named.parse_known_args(argv)[0].config)
-    except ValueError:
-        in_effect = None  # a bad SLUICE_* variable: reported when the flags are resolved
+    except ValueError as error:  # a bad file or SLUICE_* variable: reported when the flags are resolved
+        parser.epilog = f"The configuration in effect could not be read ({error}): the defaults shown are built in."
+        in_effect = None
     for section in sections:
         group = parser.add_argument_group(f"[{section}] in config.toml")
         for f in fields(SECTIONS[section]):

@@ -25,10 +25,9 @@ __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "s
 from web.config_flags import add_config_flags, config_from_args
 
 
-# SO_SNDBUF of the listening socket, which the connections it accepts inherit (Linux doubles it): a client that
-# stops reading a stream fills it within about a thousand events, so that the server's writes wait and
-# client_read_timeout ends the request. Left to autotuning, the kernel takes up to tcp_wmem's 4 MB per connection
-# first, and a long stream never read held its running slot to the end.
+# SO_SNDBUF of the listening socket, which the connections it accepts inherit (Linux doubles it): what the server's
+# kernel queues for a client that stopped reading, before the writes wait and client_read_timeout counts (left to
+# autotuning, up to tcp_wmem's 4 MB a connection). The client's kernel may still take megabytes of its own first.
 SEND_BUFFER_BYTES = 128 * 1024
 
 

@@ -95,6 +95,9 @@ def test_help_shows_the_values_of_the_file_config_names(tmp_path: Path) -> None:
     assert "listen on. (default: 8234)" in text and "(default: 5)" in text
     text = " ".join(sluice("generate", "--config", str(config_file), "--help").stdout.split())
     assert "(default: 5)" in text
+    config_file.write_text("[server]\nport = 8234\nbogus = 1\n")
+    text = " ".join(sluice("serve", "--config", str(config_file), "--help").stdout.split())
+    assert "could not be read (unknown [server] keys: ['bogus']" in text and "the defaults shown are built in" in text
 
 
 def test_bad_values_exit_2_with_the_reason() -> None:
