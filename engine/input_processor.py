@@ -100,14 +100,14 @@ class InputProcessor:
             raise InvalidRequest(f"{len(messages)} messages: more than the {self.max_model_len}-token context "
                                  "(max_model_len) can hold", param="messages")  # fmt: skip
         num_chars = 0
-        texts = []
+        normalized = []
         for message in messages:
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise InvalidRequest("each message must be an object with a string 'role'", param="messages")
             content = message.get("content")
             if not isinstance(content, str):  # OpenAI's other spellings: an assistant's null, a list of text parts
                 message = {**message, "content": _text_of_parts(content, message["role"])}
-            texts.append(message)
+            normalized.append(message)
             num_chars += len(message["content"])
             num_chars += len(repr(message["tool_calls"])) if message.get("tool_calls") else 0
         self._check_chars(num_chars + len(repr(template_kwargs.get("tools") or "")), "messages")
@@ -115,7 +115,7 @@ class InputProcessor:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                texts, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+                normalized, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
             )
         except Exception as error:  # jinja raises its own errors for conversations a template rejects
             raise InvalidRequest(f"the chat template rejected the messages: {_first_line(error)}", "messages") from None
