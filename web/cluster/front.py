@@ -237,7 +237,10 @@ class ClusterEngine:
     async def _start(self) -> None:
         launch = self._launch_fn
         if launch is None:
-            from web.cluster.launch import launch_replicas as launch  # Ray: imported only now
+            from web.cluster.launch import launch_replicas  # Ray: imported only now
+
+            # A SIGTERM in the seconds Serve takes to start would meet ray.init's handler (a stack dump, then abort)
+            launch = partial(launch_replicas, on_ray_started=partial(anyio.from_thread.run_sync, _take_back_signals))
         self._launched = await anyio.to_thread.run_sync(launch, self.config, abandon_on_cancel=True)
         _take_back_signals()
         self._slots = [ReplicaSlot(i, h) for i, h in enumerate(self._launched.handles)]

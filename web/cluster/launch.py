@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,7 +75,9 @@ def start_local_ray() -> None:
                            LOCAL_START_ATTEMPTS)  # fmt: skip
 
 
-def launch_replicas(config: SluiceConfig) -> LaunchedCluster:
+def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | None = None) -> LaunchedCluster:
+    """on_ray_started: called once ray.init returns, before the seconds Serve takes to start (ray.init installs a
+    native SIGTERM handler that the server takes back)."""
     cluster = config.cluster
     started_ray = False
     if not ray.is_initialized():
@@ -83,6 +86,9 @@ def launch_replicas(config: SluiceConfig) -> LaunchedCluster:
         else:
             start_local_ray()
             started_ray = True
+    logger.info("Ray is up: starting Serve and %d replicas", cluster.replicas)
+    if on_ray_started is not None:
+        on_ray_started()
     num_cpus = int(ray.available_resources().get("CPU", 1)) if cluster.ray_address else (os.cpu_count() or 1)
     engine_config = replica_config(config, num_cpus)
     serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False, "log_level": "WARNING"})
