@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -32,9 +32,9 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._request_ids = itertools.count()
         # Calls from several threads, or several open streams, share the engine: one steps it at a time, and each
-        # step's deltas go to the inbox of their request, read by the call that added it.
+        # step's deltas go to the inbox of the call that added their request.
         self._lock = threading.Lock()
-        self._inbox: dict[str, list[RequestOutput]] = {}
+        self._inboxes: dict[str, list[RequestOutput]] = {}  # request id -> its call's inbox
 
     def generate(
         self,
@@ -75,11 +75,12 @@ class LLM:
         processor = self.engine.input_processor
         encode = processor.encode_chat if is_conversation else processor.encode_prompt
         params = params or SamplingParams()
-        request_id = self._add(encode(prompt), params)  # type: ignore[arg-type]
+        inbox: list[RequestOutput] = []
+        request_id = self._add(encode(prompt), params, inbox)  # type: ignore[arg-type]
         num_open = params.n
         try:
             while num_open:
-                deltas = self._next_deltas((request_id,))
+                deltas = self._next_deltas(inbox)
                 if not deltas:
                     return
                 for delta in deltas:
@@ -97,14 +98,15 @@ class LLM:
         if len(params_list) != len(token_lists):
             raise ValueError(f"got {len(params_list)} sampling params for {len(token_lists)} prompts")
         results: dict[str, CompletionOutput] = {}
+        inbox: list[RequestOutput] = []
         try:
             for token_ids, p in zip(token_lists, params_list):
-                request_id = self._add(token_ids, p)
+                request_id = self._add(token_ids, p, inbox)
                 results[request_id] = CompletionOutput(request_id, token_ids, [ChoiceOutput(i) for i in range(p.n)])
             with tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 num_pending = len(results)
                 while num_pending:
-                    deltas = self._next_deltas(results)
+                    deltas = self._next_deltas(inbox)
                     if not deltas:
                         break
                     for delta in deltas:
@@ -118,34 +120,27 @@ class LLM:
                 self._abort(request_id)
         return list(results.values())
 
-    def _add(self, token_ids: list[int], params: SamplingParams) -> str:
+    def _add(self, token_ids: list[int], params: SamplingParams, inbox: list[RequestOutput]) -> str:
         request_id = f"offline-{next(self._request_ids)}"
         with self._lock:
             self.engine.add_request(request_id, token_ids, params)
-            self._inbox[request_id] = []
+            self._inboxes[request_id] = inbox
         return request_id
 
-    def _next_deltas(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """The next deltas of these requests, stepping the engine (for every request in it) until some come; []
-        when none of them is live any more."""
+    def _next_deltas(self, inbox: list[RequestOutput]) -> list[RequestOutput]:
+        """The call's next deltas, stepping the engine (for every request in it) until some reach its inbox; []
+        when the engine has nothing left to run."""
         with self._lock:
-            while True:
-                found = [delta for request_id in request_ids for delta in self._take(request_id)]
-                if found or not any(request_id in self.engine.requests for request_id in request_ids):
-                    return found
+            while not inbox and self.engine.has_unfinished_requests:
                 for delta in self.engine.step():
-                    inbox = self._inbox.get(delta.request_id)
-                    if inbox is not None:  # None: a request added through self.engine, not by this LLM
-                        inbox.append(delta)
-
-    def _take(self, request_id: str) -> list[RequestOutput]:
-        inbox = self._inbox.get(request_id)
-        if not inbox:
-            return []
-        self._inbox[request_id] = []
-        return inbox
+                    target = self._inboxes.get(delta.request_id)
+                    if target is not None:  # None: a request added through self.engine, not by this LLM
+                        target.append(delta)
+            deltas = inbox[:]
+            inbox.clear()
+            return deltas
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort(request_id)
-            self._inbox.pop(request_id, None)
+            self._inboxes.pop(request_id, None)

@@ -250,8 +250,7 @@ class LLMEngine:
         freed, and the engine serves the next step."""
         self._plan = None
         for chunk in plan.chunks:
-            if chunk.seq.request_id in self.requests:
-                self._finish(chunk.seq, FinishReason.ABORT)
+            self._finish(chunk.seq, FinishReason.ABORT)
 
     # ---- internals ------------------------------------------------------------------------------------
     def _choices(self, request: PreparedRequest) -> list[Sequence]:

@@ -85,8 +85,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server"
 
 def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> int:
     config = configured(lambda: config_from_args(parse_args(argv, prog)))
-    try:
-        check_can_listen(config.server.host, config.server.port)
+    bind = hypercorn_config(config.server)
+    try:  # Hypercorn's own binding, tried before the model loads (a taken port, an address not of this host)
+        for sock in bind.create_sockets().insecure_sockets:
+            sock.close()
     except OSError as error:
         print(f"cannot listen on {config.server.host}:{config.server.port}: {error.strerror or error}", file=sys.stderr)
         return 1
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> i
     if not config.server.api_keys and not _is_loopback(config.server.host):
         logger.warning("listening on %s with no api_key: whoever reaches this port can use the model",
                        config.server.host)  # fmt: skip
-    return anyio.run(serve_host, build_host(config), hypercorn_config(config.server))
+    return anyio.run(serve_host, build_host(config), bind)
 
 
 def _is_loopback(host: str) -> bool:
@@ -102,15 +104,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def check_can_listen(host: str, port: int) -> None:
-    """OSError when Hypercorn could not listen there (the port taken, no such address here), found before the
-    model loads; bound as Hypercorn binds (its family, SO_REUSEADDR: a port in TIME_WAIT after a restart passes)."""
-    host = host.strip("[]")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
 
 
 if __name__ == "__main__":
