@@ -122,3 +122,40 @@ def test_auto_lets_the_model_choose_and_the_answer_is_content_or_calls(client: o
     assert content == whole.message.content
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert finish == whole.finish_reason
+
+
+# As pydantic writes a model with an Enum field (openai.pydantic_function_tool): "$ref"s into the schema's own
+# "$defs". Both tools name a def "Unit", each its own.
+TOOLS_WITH_DEFS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}},
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}}},
+    {"type": "function", "function": {"name": "get_depth", "parameters": {
+        "definitions": {"Unit": {"enum": ["m", "ft"]}},
+        "type": "object", "properties": {"unit": {"$ref": "#/definitions/Unit"}, "next": {"$ref": "#"}},
+        "required": ["unit"]}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get_depth"])
+def test_tool_parameters_may_refer_to_their_own_definitions(client: openai.OpenAI, name: str) -> None:
+    body = dict(messages=MESSAGES, tools=TOOLS_WITH_DEFS, tool_choice={"type": "function", "function": {"name": name}},
+                max_tokens=200, temperature=0)  # fmt: skip
+    choice = client.chat.completions.create(model=MODEL, **body).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    schema = next(t["function"]["parameters"] for t in TOOLS_WITH_DEFS if t["function"]["name"] == name)
+    for call in choice.message.tool_calls:
+        assert call.function.name == name
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_tool_whose_parameters_do_not_compile_is_named(client: openai.OpenAI) -> None:
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Missing"}}}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[*TOOLS, broken], tool_choice="required",
+                                       max_tokens=8)  # fmt: skip
+    error = caught.value.body
+    assert error["param"] == "tools"
+    assert error["message"].startswith("the parameters of tool 'broken' are not a usable JSON schema")
+    assert "/$defs/Missing" in error["message"] and "%json" not in error["message"]

@@ -75,16 +75,25 @@ class ToolFormat:
         return f"start: TEXT | calls\n{text}\n{calls}"
 
     def _calls_schema(self, tools: Sequence[FunctionTool]) -> dict[str, Any]:
-        options = [
-            {
+        # A tool's "$ref"s point into its own parameters ("#/$defs/Unit", as pydantic writes them), which sit one
+        # level down here: such parameters go under the root's "$defs", their refs rewritten to match.
+        defs: dict[str, Any] = {}
+        options = []
+        for i, t in enumerate(tools):
+            arguments = t.parameters or _NO_PARAMETERS
+            if _has_local_ref(arguments):
+                key = f"sluice_tool_{i}"
+                defs[key] = _rebase_refs(arguments, f"#/$defs/{key}")
+                arguments = {"$ref": f"#/$defs/{key}"}
+            options.append({
                 "type": "object",
-                "properties": {"name": {"const": t.name}, self.arguments_key: t.parameters or _NO_PARAMETERS},
+                "properties": {"name": {"const": t.name}, self.arguments_key: arguments},
                 "required": ["name", self.arguments_key],
                 "additionalProperties": False,
-            }
-            for t in tools
-        ]
+            })  # fmt: skip
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+        if defs:
+            schema = {**schema, "$defs": defs}
         return {**schema, "x-guidance": _JSON_FORMAT}
 
     def system_prompt(self, tools: Sequence[FunctionTool]) -> str:
@@ -134,6 +143,28 @@ def detect_tool_format(chat_template: str | None) -> ToolFormat:
     if "<|python_tag|>" in template or "ipython" in template:
         return LLAMA3_JSON
     return GENERIC
+
+
+def _is_local_ref(key: str, value: Any) -> bool:
+    """A "$ref" by JSON pointer within the same schema ("#" or "#/..."); anchors and other documents are not."""
+    return key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/"))
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(_is_local_ref(k, v) or _has_local_ref(v) for k, v in node.items())
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """node with each local "$ref" ("#/$defs/Unit") made relative to base ("#/$defs/sluice_tool_0/$defs/Unit")."""
+    if isinstance(node, dict):
+        return {k: base + v[1:] if _is_local_ref(k, v) else _rebase_refs(v, base) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
 
 
 def _regex_literal(text: str) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.errors import InvalidRequest
 from engine.structured_outputs import StructuredOutputs
 from web.tool_calls.formats import FunctionTool, ToolFormat
 from web.tool_calls.parser import CallSyntax
@@ -42,6 +43,8 @@ def plan_tools(
         plan = ToolPlan(messages, {"tools": [t.as_openai() for t in tools]}, syntax=fmt.syntax)
     else:
         plan = ToolPlan(_with_system_prompt(messages, fmt.system_prompt(tools)), syntax=fmt.syntax)
+    if choice in ("required", "function") or not fmt.is_in_template:
+        _check_parameters(tools)
     if choice in ("required", "function"):
         grammar = fmt.call_grammar(tools, is_parallel, marker_tokens)
     elif not fmt.is_in_template:
@@ -50,6 +53,23 @@ def plan_tools(
         return plan  # auto with a template that knows tools: the model chooses, the parser reads
     plan.structured_outputs = StructuredOutputs(grammar=grammar, param="tools")
     return plan
+
+
+def _check_parameters(tools: Sequence[FunctionTool]) -> None:
+    """A tool whose parameters are no JSON schema a grammar can hold is named, in the client's own terms (the
+    combined grammar's error would point into Sluice's wrapping of the schemas)."""
+    from llguidance import LLMatcher
+
+    for tool in tools:
+        if not tool.parameters:
+            continue
+        try:
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(tool.parameters), None)
+        except ValueError as exc:  # raised by grammar_from_json_schema for some malformed schemas
+            error = str(exc)
+        if error:
+            raise InvalidRequest(f"the parameters of tool {tool.name!r} are not a usable JSON schema: "
+                                 f"{error.strip()[:300]}", "tools")  # fmt: skip
 
 
 def _with_system_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
