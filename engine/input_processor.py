@@ -16,6 +16,8 @@ from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a request over the context
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -126,9 +128,10 @@ class InputProcessor:
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
             raise InvalidRequest(
-                f"{_subject(param)} {num_chars} characters: more than the {self.max_model_len}-token context "
-                f"(max_model_len) can hold",
+                f"{_context_is(self.max_model_len)} However, {_subject(param)} {num_chars} characters: more than "
+                f"it can hold. Please reduce the length of the {param}.",
                 param=param,
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
 
     def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
@@ -140,9 +143,10 @@ class InputProcessor:
     def _check_num_tokens(self, num_prompt: int, param: str) -> None:
         if num_prompt >= self.max_model_len:
             raise InvalidRequest(
-                f"{_subject(param)} {num_prompt} tokens, but the context length (max_model_len) is "
-                f"{self.max_model_len}: at least one token must be left for the output",
+                f"{_context_is(self.max_model_len)} However, {_subject(param)} {num_prompt} tokens, and at least "
+                f"one token must be left for the output. Please reduce the length of the {param}.",
                 param=param,
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
 
     def _prepare(self, request_id: str, prompt: list[int], params: SamplingParams, param: str) -> PreparedRequest:
@@ -161,9 +165,11 @@ class InputProcessor:
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise InvalidRequest(
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {num_prompt + max_tokens} "
-                f"tokens, over the context length (max_model_len) of {self.max_model_len}",
+                f"{_context_is(self.max_model_len)} However, you requested {num_prompt + max_tokens} tokens "
+                f"({num_prompt} in the prompt, {max_tokens} in max_tokens). Please reduce the length of the prompt "
+                f"or max_tokens.",
                 param="max_tokens",
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
         if params.min_tokens > max_tokens:
             raise InvalidRequest(
@@ -189,6 +195,11 @@ def _first_line(error: BaseException) -> str:
     """A template's own message, without the traceback-like detail some jinja errors carry."""
     text = str(error).strip().splitlines()
     return text[0][:200] if text else type(error).__name__
+
+
+def _context_is(max_model_len: int) -> str:
+    """OpenAI's words for a request over the context (clients such as litellm and LangChain match them)."""
+    return f"This model's maximum context length is {max_model_len} tokens (max_model_len)."
 
 
 def _subject(param: str) -> str:

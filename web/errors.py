@@ -88,7 +88,7 @@ def register_error_handlers(app: Quart) -> None:
     @app.errorhandler(InvalidRequest)
     async def handle_invalid_request(error: InvalidRequest) -> Response:
         await drain_request_body(400)
-        return APIError(400, error.message, param=error.param).response()
+        return APIError(400, error.message, param=error.param, code=error.code).response()
 
     @app.errorhandler(EngineUnavailable)
     async def handle_unavailable(error: EngineUnavailable) -> Response:

@@ -418,7 +418,7 @@ def named_as_sent(wire_names: dict[str, str]) -> Iterator[None]:
         wire_name = wire_names.get(error.param or "")
         if wire_name is None:
             raise
-        raise InvalidRequest(error.message.replace(str(error.param), wire_name), wire_name) from None
+        raise InvalidRequest(error.message.replace(str(error.param), wire_name), wire_name, error.code) from None
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -108,7 +108,7 @@ def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
         ([1, 2, 10**6], SamplingParams(), "outside the vocabulary"),
         ([1, -3], SamplingParams(), "outside the vocabulary"),
         ("x " * 600, SamplingParams(max_tokens=4), "max_model_len"),
-        ("hello", SamplingParams(max_tokens=600), "max_tokens (600)"),
+        ("hello", SamplingParams(max_tokens=600), "600 in max_tokens"),
         ("hello", SamplingParams(max_tokens=None, min_tokens=100_000), "min_tokens (100000)"),
         ("x" * 10**6, SamplingParams(max_tokens=4), "characters"),  # rejected before tokenization
         (list(range(10**6)), SamplingParams(max_tokens=4), "max_model_len"),
@@ -137,12 +137,13 @@ def test_prompts_of_no_usable_type_raise_value_error(llm, prompts):
 
 
 def test_length_errors_name_the_text_in_a_sentence(llm):
-    with pytest.raises(ValueError, match=r"^the prompt has \d+ tokens, but the context length"):
+    context = r"^This model's maximum context length is \d+ tokens \(max_model_len\)\. However, "
+    with pytest.raises(ValueError, match=context + r"the prompt has \d+ tokens"):
         llm.engine.add_request("long", "x " * 600, SamplingParams(max_tokens=4))
     processor = llm.engine.input_processor  # the server's chat path names its parameter "messages"
-    with pytest.raises(ValueError, match=r"^the messages have \d+ tokens, but the context length"):
+    with pytest.raises(ValueError, match=context + r"the messages have \d+ tokens"):
         processor.process_chat("long", [{"role": "user", "content": "x " * 600}], SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match=r"^the messages have \d+ characters: more than"):
+    with pytest.raises(ValueError, match=context + r"the messages have \d+ characters: more than"):
         processor.process_chat("long", [{"role": "user", "content": "x" * 10**6}], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished_requests
 

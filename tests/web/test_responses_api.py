@@ -239,7 +239,9 @@ def test_an_input_too_long_for_the_context_is_named_as_the_input(server: Threade
         body = {"model": MODEL, "input": text, "max_output_tokens": 4}
         response = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
         assert response.status_code == 400, response.text
-        assert response.json()["error"]["message"].startswith("the input has "), response.text
+        error = response.json()["error"]
+        assert "However, the input has " in error["message"], error
+        assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[1, 2]", b"null", b'"text"', b"\xff\xfe", b'{"model": 1}'])

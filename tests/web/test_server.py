@@ -234,7 +234,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      None, 400, "tool_choice", "nope"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
-     "tool_choice": "required"}, None, 400, "tools", "cannot be compiled"),
+     "tool_choice": "required"}, None, 400, "tools", "the parameters of tool 'f' are not a usable JSON schema"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, None, 400, "functions", "tools"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
      "schema": {"type": "nope"}}}}, None, 400, "response_format", "cannot be compiled"),
@@ -322,3 +322,20 @@ def test_the_openai_client_sees_errors_as_api_errors(client: openai.OpenAI) -> N
         client.chat.completions.create(model="nope", messages=CHAT["messages"])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=100000)
+
+
+@pytest.mark.parametrize("fields", [
+    {"messages": [{"role": "user", "content": "word " * 5_000}]},  # over the context in tokens
+    {"messages": [{"role": "user", "content": "x" * 60_000}]},  # in characters, before the template
+    {"messages": CHAT["messages"], "max_tokens": 100_000},  # with the output
+    {"messages": CHAT["messages"], "max_completion_tokens": 100_000},
+])  # fmt: skip
+def test_a_request_over_the_context_says_so_as_openai_does(client: openai.OpenAI, fields: dict) -> None:
+    """The code and the words client libraries look for (litellm's ContextWindowExceededError, LangChain's
+    ContextOverflowError) to trim a conversation and try again."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, **fields)
+    error = caught.value.body
+    assert error["code"] == "context_length_exceeded", error
+    assert error["message"].startswith("This model's maximum context length is "), error
+    assert error["param"] == next(k for k in ("max_completion_tokens", "max_tokens", "messages") if k in fields)

@@ -64,7 +64,7 @@ async def create_response() -> Response:
             if error.param != "messages":
                 raise
             message = error.message.replace("the messages have", "the input has").replace("the messages", "the input")
-            raise APIError(400, message, param="input") from None
+            raise APIError(400, message, param="input", code=error.code) from None
         outputs = reservation.generate(prepared)
     timer = RequestTimer(s.metrics, outputs.request)
     if body.stream:
