@@ -91,6 +91,9 @@ def test_constrained_calls_stream_as_they_are_returned_whole(client: openai.Open
     if isinstance(tool_choice, dict):
         assert [name for name, _ in calls] == ["get_time"]
     assert streamed_calls(client, **body) == (None, calls, "tool_calls")
+    # The SDK's stream helper keeps what the role chunk says: content null, as OpenAI streams calls (not "")
+    with client.chat.completions.stream(model=MODEL, **body) as stream:
+        assert stream.get_final_completion().choices[0].message.content is None
 
 
 def test_the_template_renders_tools_and_the_call_history(server: ThreadedServer) -> None:
