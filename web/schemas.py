@@ -274,13 +274,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         if choice == "function" and name not in names:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        if choice != "none" and names and self.constraint_requested():
-            raise APIError(400, "response_format / structured_outputs cannot be combined with tools unless "
-                           "tool_choice is 'none'", param="response_format")  # fmt: skip
-
-    def constraint_requested(self) -> bool:
-        rf = self.response_format
-        return (rf is not None and rf.type != "text") or self.structured_outputs is not None
+        so = self.structured_outputs
+        is_json = so is None or all(v is None for v in (so.regex, so.choice, so.grammar))
+        if choice != "none" and names and not is_json:
+            raise APIError(400, "structured_outputs regex / choice / grammar cannot be combined with tools unless "
+                           "tool_choice is 'none' (a JSON schema or json_object can)", param="structured_outputs")  # fmt: skip
 
     def tool_choice_kind(self) -> tuple[str, str | None]:
         """("none" | "auto" | "required" | "function", the named function). OpenAI's default: auto with tools."""

@@ -150,6 +150,24 @@ def test_auto_tools_stream_as_they_are_returned_whole(client: openai.OpenAI) -> 
     assert final["status"] == whole.status
 
 
+def test_auto_tools_with_a_text_format_call_or_answer_in_it(client: openai.OpenAI) -> None:
+    """An agent with tools and an output type (openai-agents' output_type): calls, or a message in the format."""
+    for question in range(3):
+        body = dict(model=MODEL, input=f"Weather in Oslo? ({question})", tools=TOOLS, text=ANSWER_FORMAT,
+                    max_output_tokens=150, parallel_tool_calls=False, temperature=0)  # fmt: skip
+        whole = client.responses.create(**body)
+        assert whole.status == "completed", whole
+        for item in whole.output:
+            if item.type == "function_call":
+                jsonschema.validate(json.loads(item.arguments), WEATHER)
+            else:
+                jsonschema.validate(json.loads(whole.output_text), ANSWER)
+        events = [event.to_dict(warnings=False) for event in client.responses.create(**body, stream=True)]
+        final = check_event_grammar(events)
+        assert [(o["type"], o.get("arguments")) for o in final["output"]] == \
+            [(o.type, getattr(o, "arguments", None)) for o in whole.output]  # fmt: skip
+
+
 def prompt_of(server: ThreadedServer, items: list[dict]) -> str:
     """The chat-template text a list of input items renders to (through the same conversion as /v1/responses)."""
     from web.responses_api.request import ResponsesRequest
@@ -218,7 +236,6 @@ BAD_BODIES = [
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}}, "text.format.schema"),
-    ({"text": {"format": {"type": "json_object"}}, "tools": TOOLS}, "text.format"),
     ({"input": "x" * 100_000}, "input"),
     ({"input": "日本語 " * 200_000}, "input"),  # 3.8 MB of JSON: longer than the context, not too many "items"
 ]  # fmt: skip

@@ -166,3 +166,26 @@ def test_a_function_declared_without_parameters_is_called_without_arguments(clie
             "name": "f"}}], tool_choice="required", parallel_tool_calls=False, max_tokens=40, seed=seed)  # fmt: skip
         whole = client.chat.completions.create(model=MODEL, **body).choices[0]
         assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("f", "{}")], seed
+
+
+def test_tools_with_an_answer_format_call_or_answer_in_the_format(server: ThreadedServer, client: openai.OpenAI) -> None:
+    """An agent's turn (tools and an output type): the model calls, or, with the call's opener banned, answers in
+    the format; both through the SDK's parse helper, streamed output equal to whole."""
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+              "sky": {"type": "string", "maxLength": 20}}, "required": ["city", "sky"], "additionalProperties": False}  # fmt: skip
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer, "strict": True}}
+    opener = server.engine.input_processor.tokenizer.encode("<tool_call>", add_special_tokens=False)[0]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for logit_bias, finish in [(None, "tool_calls"), ({str(opener): -100}, "stop")]:
+        body = dict(messages=messages, tools=TOOLS, response_format=response_format, max_tokens=100, temperature=0,
+                    logit_bias=logit_bias, parallel_tool_calls=False)  # fmt: skip
+        whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+        assert whole.finish_reason == finish, whole
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        if finish == "tool_calls":
+            valid_calls(calls)
+            assert whole.message.content is None
+        else:
+            jsonschema.validate(json.loads(whole.message.content), answer)
+            assert not calls
+        assert stream_text_and_calls(client, **body) == (whole.message.content or "", calls, finish)

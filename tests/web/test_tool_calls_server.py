@@ -162,3 +162,34 @@ def test_a_tool_whose_parameters_do_not_compile_is_named(client: openai.OpenAI) 
     assert error["param"] == "tools"
     assert error["message"].startswith("the parameters of tool 'broken' are not a usable JSON schema")
     assert "/$defs/Missing" in error["message"] and "%json" not in error["message"]
+
+
+ANSWER = {"type": "object", "properties": {"sky": {"enum": ["sunny", "grey"]}}, "required": ["sky"],
+          "additionalProperties": False}  # fmt: skip
+
+
+def test_auto_with_an_answer_format_answers_in_it_or_calls(client: openai.OpenAI) -> None:
+    """tool_choice auto with response_format (an agent with tools and an output type): each output is calls with
+    valid arguments or a JSON answer of the format, the same streamed and not (the random model calls: the answer
+    branch is shown on the default model, test_structured_default_model.py)."""
+    for seed in range(4):
+        body = dict(messages=MESSAGES, tools=TOOLS, max_tokens=120, seed=seed, parallel_tool_calls=False,
+                    response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}})  # fmt: skip
+        whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+        if whole.message.tool_calls:
+            assert whole.finish_reason == "tool_calls" and not whole.message.content, whole
+            for call in whole.message.tool_calls:
+                schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+        else:
+            assert whole.finish_reason == "stop", whole
+            jsonschema.validate(json.loads(whole.message.content), ANSWER)
+        calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        content, streamed_calls_, finish = streamed_calls(client, **body)
+        assert (content or None, streamed_calls_, finish) == (whole.message.content or None, calls, whole.finish_reason)
+
+
+def test_structured_outputs_that_are_not_json_still_cannot_be_combined_with_tools(server: ThreadedServer) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "structured_outputs": {"regex": "[ab]+"}}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs", response.text

@@ -134,9 +134,6 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         if choice == "function" and name not in names:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        if choice != "none" and names and fmt is not None and fmt.type != "text":
-            raise APIError(400, "text.format json_schema / json_object cannot be combined with tools unless "
-                           "tool_choice is 'none'", param="text.format")  # fmt: skip
 
     def _check_metadata(self) -> None:
         metadata = self.metadata or {}

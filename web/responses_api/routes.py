@@ -47,7 +47,7 @@ async def create_response() -> Response:
     params = body.to_sampling_params()
     choice, function_name = body.tool_choice_kind()
     plan = plan_tools(s.tool_format, chat_messages(body.instructions, items), body.function_tools(), choice,
-                      function_name, bool(body.parallel_tool_calls), s.tool_marker_tokens)  # fmt: skip
+                      function_name, bool(body.parallel_tool_calls), s.tool_marker_tokens, params.structured_outputs)  # fmt: skip
     if plan.structured_outputs is not None:
         params = replace(params, structured_outputs=plan.structured_outputs)
     builder = ResponseBuilder(new_id("resp"), settings, plan.syntax)

@@ -9,6 +9,7 @@ Chosen from the chat template's text (detect_tool_format):
 - Generic (templates with no tool format, such as the default SmolLM2's): the tools are described in a system
   message, calls are written Hermes-style, and every output is constrained by a grammar: with tool_choice
   "auto" it is either plain text (that does not open with `<tool_call>`) or calls.
+With tool_choice "auto" and a JSON answer format, any family's output is that JSON or calls (a grammar).
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ class ToolFormat:
         opener = self.call_open.strip()
         text = f"TEXT: /(?s:.+)/ & ~/(?s:[ \\t\\r\\n]*{_regex_literal(opener)}.*)/"
         return f"start: TEXT | calls\n{text}\n{calls}"
+
+    def answer_or_calls_grammar(
+        self, tools: Sequence[FunctionTool], is_parallel: bool, answer_schema: dict[str, Any],
+        marker_tokens: Mapping[str, int] | None = None,
+    ) -> str:
+        """tool_choice "auto" with an answer format (response_format, text.format): a JSON answer of that schema,
+        or calls (as OpenAI's models answer in the format or call a tool)."""
+        calls = self.call_grammar(tools, is_parallel, marker_tokens).replace("start:", "calls:", 1)
+        answer = {"x-guidance": _JSON_FORMAT, **answer_schema}
+        return f"start: answer | calls\nanswer: %json{json.dumps(answer)}\n{calls}"
 
     def _calls_schema(self, tools: Sequence[FunctionTool]) -> dict[str, Any]:
         # A tool's "$ref"s point into its own parameters ("#/$defs/Unit", as pydantic writes them), which sit one

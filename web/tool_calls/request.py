@@ -3,6 +3,7 @@ output is read (the call syntax, or None when calls are not parsed)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +30,12 @@ def plan_tools(
     function_name: str | None,
     is_parallel: bool,
     marker_tokens: Mapping[str, int] | None = None,
+    answer: StructuredOutputs | None = None,
 ) -> ToolPlan:
     """choice: "none", "auto", "required" or "function" (then function_name names it); marker_tokens: the
-    format's markers that are single added tokens (see ToolFormat.call_grammar)."""
+    format's markers that are single added tokens (see ToolFormat.call_grammar); answer: the format a reply
+    that is not a call must have (response_format, text.format; a JSON schema or any JSON object). A plan's
+    structured_outputs, when set, replaces the request's own."""
     if not fmt.is_in_template:
         messages = fmt.history_messages(messages)
     if not tools or choice == "none":
@@ -43,10 +47,12 @@ def plan_tools(
         plan = ToolPlan(messages, {"tools": [t.as_openai() for t in tools]}, syntax=fmt.syntax)
     else:
         plan = ToolPlan(_with_system_prompt(messages, fmt.system_prompt(tools)), syntax=fmt.syntax)
-    if choice in ("required", "function") or not fmt.is_in_template:
+    if choice in ("required", "function") or not fmt.is_in_template or answer is not None:
         _check_parameters(tools)
-    if choice in ("required", "function"):
+    if choice in ("required", "function"):  # the output is calls: an answer format has nothing to shape
         grammar = fmt.call_grammar(tools, is_parallel, marker_tokens)
+    elif answer is not None:
+        grammar = fmt.answer_or_calls_grammar(tools, is_parallel, _answer_schema(answer), marker_tokens)
     elif not fmt.is_in_template:
         grammar = fmt.auto_grammar(tools, is_parallel)
     else:
@@ -55,21 +61,34 @@ def plan_tools(
     return plan
 
 
+def _answer_schema(answer: StructuredOutputs) -> dict[str, Any]:
+    if answer.json_object:
+        return {"type": "object"}
+    schema = json.loads(answer.json) if isinstance(answer.json, str) else answer.json
+    if not isinstance(schema, dict):
+        raise InvalidRequest("with tools, the answer format must be a JSON schema or json_object", answer.param)
+    if (error := _schema_error(schema)) is not None:
+        raise InvalidRequest(f"{answer.error_param()} cannot be compiled: {error}", answer.error_param())
+    return schema
+
+
 def _check_parameters(tools: Sequence[FunctionTool]) -> None:
     """A tool whose parameters are no JSON schema a grammar can hold is named, in the client's own terms (the
     combined grammar's error would point into Sluice's wrapping of the schemas)."""
+    for tool in tools:
+        if tool.parameters and (error := _schema_error(tool.parameters)) is not None:
+            raise InvalidRequest(f"the parameters of tool {tool.name!r} are not a usable JSON schema: {error}", "tools")
+
+
+def _schema_error(schema: dict[str, Any]) -> str | None:
+    """Why llguidance cannot hold this JSON schema, in its own words, or None."""
     from llguidance import LLMatcher
 
-    for tool in tools:
-        if not tool.parameters:
-            continue
-        try:
-            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(tool.parameters), None)
-        except ValueError as exc:  # raised by grammar_from_json_schema for some malformed schemas
-            error = str(exc)
-        if error:
-            raise InvalidRequest(f"the parameters of tool {tool.name!r} are not a usable JSON schema: "
-                                 f"{error.strip()[:300]}", "tools")  # fmt: skip
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema), None)
+    except ValueError as exc:  # raised by grammar_from_json_schema for some malformed schemas
+        error = str(exc)
+    return error.strip()[:300] or None
 
 
 def _with_system_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
