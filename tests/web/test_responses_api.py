@@ -278,6 +278,28 @@ def test_unknown_model_and_ids_are_404s(server: ThreadedServer) -> None:
                                                  "type": "invalid_request_error", "param": None, "code": None}}
 
 
+def test_a_stored_responses_input_items_are_listed(client: openai.OpenAI, server: ThreadedServer) -> None:
+    """GET /v1/responses/{id}/input_items (the SDK's responses.input_items.list): what the response was made from,
+    a continuation's included, newest first by default, in pages that `after` continues."""
+    first = client.responses.create(model=MODEL, input=[{"role": "system", "content": "Be brief"},
+                                    {"role": "user", "content": "Hi 😀"}], max_output_tokens=4)  # fmt: skip
+    second = client.responses.create(model=MODEL, input="Again?", previous_response_id=first.id, max_output_tokens=4)
+    page = client.responses.input_items.list(second.id)
+    assert [(item.type, item.role) for item in page.data] == \
+        [("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "system")]  # fmt: skip
+    assert page.data[0].content[0].text == "Again?" and page.data[2].content[0].text == "Hi 😀"
+    assert page.data[1].content[0].type == "output_text" and page.data[1].content[0].text == first.output_text
+    assert not page.has_more and page.first_id == page.data[0].id and len({item.id for item in page.data}) == 4
+    paged = client.responses.input_items.list(second.id, order="asc", limit=3)
+    assert [item.id for item in paged.data] == [item.id for item in reversed(page.data)][:3] and paged.has_more
+    assert [item.id for item in paged] == [item.id for item in reversed(page.data)]  # the SDK follows `after`
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        for query, param in [("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("after=msg_x", "after")]:
+            response = http.get(f"/v1/responses/{second.id}/input_items?{query}")
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert http.get("/v1/responses/resp_nope/input_items").status_code == 404
+
+
 def test_cjk_and_emoji_round_trip(client: openai.OpenAI) -> None:
     text = "日本語のテキストと中文文本和한국어 텍스트. Emoji: 😀 🚀 🎉 👍🏽 ❤️"
     first = client.responses.create(model=MODEL, input=text, max_output_tokens=16, temperature=0)

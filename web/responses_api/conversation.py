@@ -28,6 +28,24 @@ def function_call_output(call_id: str, output: str) -> Item:
     return {"type": "function_call_output", "call_id": call_id, "output": output}
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def listed_input_items(response_id: str, items: list[Item]) -> list[dict[str, Any]]:
+    """A stored response's input items as GET /v1/responses/{id}/input_items shows them (OpenAI's item objects):
+    each with an id derived from the response's and its place, so that `after` finds it again."""
+    base = response_id.removeprefix("resp_")
+    listed = []
+    for i, item in enumerate(items):
+        kind = item["type"]
+        shown: dict[str, Any] = {"id": f"{_ID_PREFIXES.get(kind, 'item')}_{base}_{i}", **item, "status": "completed"}
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            shown["content"] = [{"type": part, "text": item["content"]}]
+        listed.append(shown)
+    return listed
+
+
 def output_items_as_input(output: list[dict[str, Any]]) -> list[Item]:
     """A response's output items (messages with output_text parts, function calls) as canonical items."""
     items = []

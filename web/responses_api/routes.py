@@ -1,4 +1,4 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: the Responses API on the chat path's engine,
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the Responses API on the chat path's engine,
 admission, tool calls and structured outputs. A request becomes chat messages (its previous response's
 conversation, then its input), runs as one chat request, and is told as a response (web/responses_api/output.py)."""
 
@@ -19,7 +19,7 @@ from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import Usage
-from web.responses_api.conversation import Item, chat_messages, output_items_as_input
+from web.responses_api.conversation import Item, chat_messages, listed_input_items, output_items_as_input
 from web.responses_api.output import ResponseBuilder, new_id, usage_object
 from web.responses_api.request import ResponsesRequest, parse_responses_request
 from web.responses_api.store import ResponseStore
@@ -91,6 +91,31 @@ async def get_response(response_id: str) -> Response:
     return Response(stored.body, status=200, content_type="application/json")
 
 
+@blueprint.get("/v1/responses/<response_id>/input_items")
+async def list_input_items(response_id: str) -> Response:
+    """OpenAI's list: `limit` (1-100, default 20), `order` ("desc", the default, or "asc"), `after` (an item id)."""
+    s = services()
+    stored = s.response_store.get(response_id, key_owner(s))
+    if stored is None:
+        raise not_found(response_id)
+    items = listed_input_items(response_id, orjson.loads(stored.conversation)[: stored.num_input_items])
+    limit, order, after = request.args.get("limit", "20"), request.args.get("order", "desc"), request.args.get("after")
+    if not limit.isdecimal() or not 1 <= int(limit) <= 100:
+        raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after names no input item of response {response_id!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit)]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})  # fmt: skip
+
+
 @blueprint.delete("/v1/responses/<response_id>")
 async def delete_response(response_id: str) -> Response:
     s = services()
@@ -122,7 +147,7 @@ def previous_conversation(store: ResponseStore, response_id: str | None, owner: 
 
 def store_response(store: ResponseStore, builder: ResponseBuilder, owner: bytes | None, items: list[Item]) -> None:
     conversation = orjson.dumps(items + output_items_as_input(builder.output))
-    if not store.put(builder.id, owner, orjson.dumps(builder.response()), conversation):
+    if not store.put(builder.id, owner, orjson.dumps(builder.response()), conversation, len(items)):
         logger.warning("response %s is larger than the whole response store (%d bytes): not stored",
                        builder.id, store.max_bytes)  # fmt: skip
 

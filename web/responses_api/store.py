@@ -24,6 +24,7 @@ class StoredResponse:
     body: bytes  # the response object, as GET returns it
     conversation: bytes  # the items a continuation prepends (this response's input and output), as JSON
     stored_at: float
+    num_input_items: int = 0  # the conversation's first items: the input (GET .../input_items lists them)
 
     @property
     def num_bytes(self) -> int:
@@ -46,10 +47,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, owner: bytes | None, body: bytes, conversation: bytes) -> bool:
+    def put(self, response_id: str, owner: bytes | None, body: bytes, conversation: bytes, num_input_items: int = 0) -> bool:
         """Keep a response (replacing one of the same id). False when it alone exceeds the budget."""
         self._drop(response_id)
-        entry = StoredResponse(owner, body, conversation, self._clock())
+        entry = StoredResponse(owner, body, conversation, self._clock(), num_input_items)
         if entry.num_bytes > self.max_bytes or self.max_count == 0:
             return False
         self._entries[response_id] = entry
