@@ -118,6 +118,7 @@ class EngineStats:
     total_kv_blocks: int
     prefix_cache_hit_rate: float
     speculation: Mapping[str, ProposerCounts] | None = None  # proposer -> its counters (engine/speculative/)
+    num_preemptions: int = 0  # sequences preempted since start (their blocks freed, recomputed later)
 
 
 class AsyncEngine:
@@ -186,6 +187,7 @@ class AsyncEngine:
             total_kv_blocks=engine.num_total_blocks,
             prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
             speculation=engine.speculation_stats.by_proposer,
+            num_preemptions=engine.num_preemptions,
         )
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:

@@ -54,6 +54,8 @@ class ServerMetrics:
                                          "(all choices)", registry=r)  # fmt: skip
         self.speculation = SpeculationCollector()
         r.register(self.speculation)
+        self.preemptions = ScrapedCounter("sluice_preemptions", "Sequences preempted for KV blocks (recomputed later)")
+        r.register(self.preemptions)
         self._cluster: ClusterMetrics | None = None  # with --replicas: the replicas one by one
 
     def render(self, stats: EngineStats) -> bytes:
@@ -67,7 +69,18 @@ class ServerMetrics:
         self.free_blocks.set(stats.free_kv_blocks)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.speculation.counts = stats.speculation or {}
+        self.preemptions.value = stats.num_preemptions
         return generate_latest(self.registry)
+
+
+class ScrapedCounter:
+    """A counter the engine keeps, read at each scrape (prometheus_client's Counter only counts up itself)."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc, self.value = name, doc, 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, value=self.value)
 
 
 class SpeculationCollector:

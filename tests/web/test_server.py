@@ -339,3 +339,18 @@ def test_a_request_over_the_context_says_so_as_openai_does(client: openai.OpenAI
     assert error["code"] == "context_length_exceeded", error
     assert error["message"].startswith("This model's maximum context length is "), error
     assert error["param"] == next(k for k in ("max_completion_tokens", "max_tokens", "messages") if k in fields)
+
+
+def test_preemptions_are_counted_in_metrics(tiny_llama_dir) -> None:
+    """A pool too small for the streams at once preempts (frees a sequence's blocks, recomputes it later): an
+    operator sees it in /metrics as sluice_preemptions_total, the engine's own count."""
+    config = tiny_engine_config(tiny_llama_dir, num_kv_blocks=12, block_size=16, max_model_len=128)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as small:
+        body = {**COMPLETION, "max_tokens": 60, "ignore_eos": True}
+        with httpx.Client(base_url=small.base_url, timeout=60) as http, ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: http.post("/v1/completions", json=body).json(), range(6)))
+            assert all(r["usage"]["completion_tokens"] == 60 for r in results), results
+            families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        counted = families["sluice_preemptions"].samples[0]
+        assert counted.name == "sluice_preemptions_total"
+        assert counted.value == small.engine.num_preemptions > 0

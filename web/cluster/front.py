@@ -191,6 +191,7 @@ class ClusterEngine:
             free_kv_blocks=sum(r.free_kv_blocks for r in reported),
             total_kv_blocks=sum(r.total_kv_blocks for r in reported),
             prefix_cache_hit_rate=sum(r.num_prefix_hits for r in reported) / queries if queries else 0.0,
+            num_preemptions=sum(r.num_preemptions for r in reported),
             num_ready=sum(s.is_ready for s in self._slots),
             routing=self.config.cluster.routing,
             decisions=dict(router.decisions) if router is not None else {},

@@ -145,6 +145,7 @@ class EngineReplica:
             total_kv_blocks=stats.total_kv_blocks,
             num_prefix_queries=blocks.num_prefix_queries,
             num_prefix_hits=blocks.num_prefix_hits,
+            num_preemptions=stats.num_preemptions,
         )
 
     async def submit(self, front_id: str, request: PreparedRequest) -> None:

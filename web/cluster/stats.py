@@ -21,6 +21,7 @@ class ReplicaStats:
     total_kv_blocks: int
     num_prefix_queries: int  # prompt tokens looked up in its prefix cache
     num_prefix_hits: int  # of which found
+    num_preemptions: int = 0
 
     @property
     def load(self) -> int:
