@@ -332,9 +332,11 @@ class CompletionRequest(SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        # OpenAI's legacy default for /v1/completions is 16 tokens. With echo, logprobs cover the prompt too.
+        # OpenAI's legacy default for /v1/completions is 16 tokens; an explicit null is the rest of the context, as
+        # in vLLM (and as chat's default). With echo, logprobs cover the prompt too.
         prompt_logprobs = self.logprobs if self.echo else None
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        is_omitted = "max_tokens" not in self.model_fields_set
+        max_tokens = 16 if is_omitted else self.max_tokens
         return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
     def wire_names(self) -> dict[str, str]:

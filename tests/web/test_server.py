@@ -354,3 +354,12 @@ def test_preemptions_are_counted_in_metrics(tiny_llama_dir) -> None:
         counted = families["sluice_preemptions"].samples[0]
         assert counted.name == "sluice_preemptions_total"
         assert counted.value == small.engine.num_preemptions > 0
+
+
+def test_a_completion_max_tokens_left_out_is_16_and_null_is_the_rest_of_the_context(server: ThreadedServer,
+                                                                                     http: httpx.Client) -> None:
+    """OpenAI's default for /v1/completions is 16; an explicit null asks for no limit (vLLM: up to the context)."""
+    body = {k: v for k, v in COMPLETION.items() if k != "max_tokens"} | {"ignore_eos": True}
+    assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+    usage = http.post("/v1/completions", json={**body, "max_tokens": None}).json()["usage"]
+    assert usage["total_tokens"] == server.engine.max_model_len, usage
