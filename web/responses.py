@@ -32,6 +32,12 @@ class Usage:
         """The same, for a streamed request, from what its choices' deltas said."""
         return cls(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
 
+    @classmethod
+    def total(cls, usages: list[Usage]) -> Usage:
+        """A list of prompts' usage: every prompt's tokens counted."""
+        return cls(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                   sum(u.cached_tokens for u in usages))  # fmt: skip
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -220,10 +226,7 @@ class CompletionResponses(_Responses):
             for p, group in enumerate(results)
             for i, r in enumerate(group)
         ]
-        usages = [Usage.of_choices(group) for group in results]
-        usage = Usage(sum(u.prompt_tokens for u in usages))
-        usage.completion_tokens = sum(u.completion_tokens for u in usages)
-        usage.cached_tokens = sum(u.cached_tokens for u in usages)
+        usage = Usage.total([Usage.of_choices(group) for group in results])
         return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
 
     def _choice(self, index: int, result: ChoiceOutput, echo: EchoedPrompt | None) -> dict[str, Any]:

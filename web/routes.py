@@ -24,7 +24,7 @@ from web.metrics import RequestTimer
 from web.responses import ChatResponses, CompletionResponses, EchoedPrompt, ResponseFormat
 from web.schemas import ChatCompletionRequest, CompletionRequest, named_as_sent, parse_request
 from web.services import Services, services
-from web.sse import sse_response
+from web.sse import event_stream_response, sse_response, stream_batch_events
 from web.tool_calls import plan_tools
 
 blueprint = Blueprint("openai", __name__)
@@ -73,6 +73,10 @@ async def completions() -> Response:
             return await generate(s, reservation, fmt, prepared, bool(body.stream))
         with named_as_sent(body.wire_names()):
             batch = [await s.engine.prepare_prompt(f"{fmt.id}-{i}", p, params) for i, p in enumerate(prompts)]
+        if body.stream:
+            streams = [reservation.generate(prepared) for prepared in batch]
+            timers = [RequestTimer(s.metrics, stream.request) for stream in streams]
+            return event_stream_response(stream_batch_events(streams, fmt, timers))
         echoes = None
         if body.echo:
             texts = [p if isinstance(p, str) else await s.engine.decode(p) for p in prompts]

@@ -317,8 +317,6 @@ class CompletionRequest(SamplingFields):
         super().check_supported()
         if self.stream and self.echo:
             raise APIError(400, "echo is supported without stream only", param="echo")
-        if self.stream and len(self.prompts()) > 1:
-            raise APIError(400, "a stream takes one prompt: send several prompts without stream", param="prompt")
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
         if self.suffix:

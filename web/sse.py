@@ -8,7 +8,7 @@ from typing import Any
 
 from quart import Response
 
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream
 from web.errors import error_body
 from web.json_response import dumps_one_line
@@ -66,6 +66,67 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
     finally:
         if not timer.ended:  # the client left, or was cut off for not reading
             timer.end(FinishReason.ABORT)
+
+
+async def stream_batch_events(
+    streams: list[OutputStream], fmt: ResponseFormat, timers: list[RequestTimer]
+) -> AsyncIterator[bytes]:
+    """A list of completion prompts in one stream, as OpenAI streams them: prompt p's choice i is index p * n + i,
+    the usage chunk counts every prompt. stream_events' promises hold: one terminal event per choice (or one
+    error event), then [DONE]; a client that leaves aborts every prompt's request."""
+    current = asyncio.current_task()
+    arrivals: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def read(p: int) -> None:  # one task per prompt: its deltas, then None
+        try:
+            async for output in streams[p]:
+                arrivals.put_nowait((p, output))
+        finally:
+            arrivals.put_nowait((p, None))
+
+    n = streams[0].request.num_choices
+    num_open = [n] * len(streams)  # per prompt, its choices without a finish chunk yet
+    readers: list[asyncio.Task] = []
+    try:
+        for stream in streams:
+            stream.request.on_read_timeout = current.cancel if current is not None else None
+        readers = [asyncio.create_task(read(p)) for p in range(len(streams))]
+        for chunk in fmt.opening_chunks(n * len(streams)):
+            yield sse_event(chunk)
+        while True:
+            p, output = await arrivals.get()
+            if output is None:
+                if num_open[p]:  # that prompt's stream ended before its choices did
+                    timers[p].end(FinishReason.ERROR)
+                    last = engine_error_event("the request ended without a result")
+                    break
+                continue
+            timers[p].observe(output)
+            if output.finish_reason is FinishReason.ERROR:
+                last = engine_error_event(output.error or "the engine failed")
+                break
+            output.index += p * n
+            events = [sse_event(chunk) for chunk in fmt.delta_chunks(output)]
+            if output.finished:
+                events.append(sse_event(fmt.finish_chunk(output.finish_reason or FinishReason.STOP, output.index,
+                                                         output.stop_reason)))  # fmt: skip
+                num_open[p] -= 1
+                if not any(num_open):
+                    if fmt.include_usage:
+                        usage = Usage.total([Usage.of_request(s.request) for s in streams])
+                        events.append(sse_event(fmt.usage_chunk(usage)))
+                    last = b"".join(events)
+                    break
+            if events:
+                yield b"".join(events)
+        yield last + DONE
+    finally:
+        for reader in readers:
+            reader.cancel()
+        for stream, timer in zip(streams, timers):
+            stream.close()  # aborts a request still running (the client left, or another prompt failed)
+            if not timer.ended:
+                timer.end(FinishReason.ABORT)
 
 
 def sse_response(outputs: OutputStream, fmt: ResponseFormat, timer: RequestTimer) -> Response:

@@ -14,7 +14,8 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
-from tests.support.server_harness import ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config
+from tests.support.server_harness import (ThreadedServer, health, llm_engine_loader, slowed, stream_request,
+                                         tiny_engine_config, wait_until, wrapped_execute)
 
 
 MODEL = "tiny"
@@ -260,7 +261,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, None, 400, "messages", "required"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, None, 400, "prompt", "empty"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 99999]}, None, 400, "prompt", "99999"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"], "stream": True}, None, 400, "prompt", "one prompt"),
     ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}, None, 400, "echo", "without stream"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, None, 400, "best_of", ""),
     ("/v1/completions", {**COMPLETION, "min_tokens": 20, "max_tokens": 5}, None, 400, "min_tokens", "max_tokens"),
@@ -363,3 +363,36 @@ def test_a_completion_max_tokens_left_out_is_16_and_null_is_the_rest_of_the_cont
     assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
     usage = http.post("/v1/completions", json={**body, "max_tokens": None}).json()["usage"]
     assert usage["total_tokens"] == server.engine.max_model_len, usage
+
+
+def test_a_list_of_prompts_streams_as_its_whole_response(client: openai.OpenAI, server: ThreadedServer) -> None:
+    """OpenAI streams a list of completion prompts: prompt p's choice i is index p * n + i, each choice ends
+    once, the usage counts every prompt; the text of each index is the non-streamed one's."""
+    prompts = ["The quick brown fox", "日本の首都は", "Once upon a time, in a land far away"]
+    body = dict(model=MODEL, prompt=prompts, max_tokens=9, temperature=0, n=2, logprobs=1)
+    whole = client.completions.create(**body)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason:
+            assert choice.index not in finishes
+            finishes[choice.index] = choice.finish_reason
+    assert {c.index: c.text for c in whole.choices} == texts and len(texts) == 6
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert server.engine.num_free_blocks == server.engine.num_total_blocks
+
+
+def test_a_client_that_leaves_a_stream_of_prompts_aborts_them_all(server: ThreadedServer) -> None:
+    body = {**COMPLETION, "prompt": ["one", "two", "three"], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with wrapped_execute(server.engine, slowed(0.01)):
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                wait_until(lambda: health(server.base_url)[1]["running"] == 3)
+        wait_until(lambda: health(server.base_url)[1]["running"] == 0, timeout=5)  # within a few steps
+    wait_until(lambda: server.engine.num_free_blocks == server.engine.num_total_blocks, timeout=5)
