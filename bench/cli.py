@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,9 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--concurrency", type=int, default=8, help="closed loop: streams kept busy (default 8)")
     load.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
     load.add_argument("--burst", type=int, nargs="?", const=256, help="send N requests at once (default 256)")
-    p.add_argument("--sweep", help="comma-separated levels (concurrency, rate or burst size), e.g. 1,4,16,64")
-    p.add_argument("--num-requests", help="requests per level: N, or Kx for K per stream (default: 4x, at least 16; "
-                   "64 for --rate; the burst size for --burst)")
+    p.add_argument("--sweep", type=_levels, help="comma-separated levels (concurrency, rate or burst size), "
+                   "e.g. 1,4,16,64")
+    p.add_argument("--num-requests", type=_num_requests, help="requests per level: N, or Kx for K per stream "
+                   "(default: 4x, at least 16; 64 for --rate; the burst size for --burst)")
     p.add_argument("--max-duration", type=float, help="stop issuing requests after this many seconds per level")
     p.add_argument("--prompt-tokens", type=LengthDist.parse,
                    help="prompt length: 128, uniform:64:192, normal:128:32 or exp:128 "
@@ -54,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-usage", dest="include_usage", action="store_false",
                    help="do not send stream_options.include_usage (completion tokens are then counted from events)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per server before measuring")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="the prompts' seed (default: a new one each run, printed: a server's "
+                   "prefix cache would serve a second run of the same prompts). Each level adds its index to it")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as a bearer token to --url and --peer servers (default: $OPENAI_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
     p.add_argument("--health-interval", type=float, default=0.05, help="seconds between GET /health; 0 disables")
     p.add_argument("--json", help="write the summaries and every request's timings to this file")
@@ -104,13 +110,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output_tokens = args.output_tokens or LengthDist.parse("128")
     if args.compare and not set(args.servers.split(",")) <= set(COMPARE_SERVERS):
         p.error(f"--servers takes a subset of {','.join(COMPARE_SERVERS)}")
+    if args.seed is None:
+        args.seed = random.randrange(1 << 31)
+        if not args.from_json:
+            print(f"bench: prompts from --seed {args.seed} (pass it to send the same prompts again)", file=sys.stderr)
     return args
+
+
+def _levels(text: str) -> list[float]:
+    try:
+        levels = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 1,4,16") from None
+    if any(v <= 0 for v in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: load levels must be positive")
+    return levels
+
+
+def _num_requests(text: str) -> str:
+    try:
+        value = float(text[:-1]) if text.endswith("x") else int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive count N, or Kx for K per stream")
+    return text
 
 
 def load_shapes(args: argparse.Namespace) -> list[LoadShape]:
     mode = "rate" if args.rate is not None else "burst" if args.burst is not None else "closed"
     default = {"closed": args.concurrency, "rate": args.rate, "burst": args.burst}[mode]
-    levels = [float(v) for v in args.sweep.split(",")] if args.sweep else [float(default)]
+    levels = args.sweep or [float(default)]
     if any(v <= 0 for v in levels):
         raise SystemExit("bench: load levels must be positive")
     return [LoadShape(mode, level, args.max_duration, args.seed) for level in levels]
@@ -147,8 +177,11 @@ async def start_servers(
                               args.startup_timeout, args.llama_parallel)
             stack.callback(llama.stop)
     hf_dir = servers.resolve_hf_model_dir(args.hf_model_dir)
-    if (hf_dir is None or hf_dir.endswith(".gguf")) and any(name.startswith("transformers") for name in wanted):
-        raise SystemExit("bench: transformers serve needs a Hugging Face folder: pass --hf-model-dir PATH")
+    if any(name.startswith("transformers") for name in wanted):
+        if hf_dir is None:
+            raise SystemExit("bench: transformers serve needs a Hugging Face folder: pass --hf-model-dir PATH")
+        if hf_dir.endswith(".gguf"):
+            hf_dir = str(servers.hf_folder_of_gguf(Path(hf_dir)))
     started: list[Target] = []
     managed: dict[str, servers.ManagedServer] = {}
     for name in wanted:
@@ -175,12 +208,12 @@ async def prepare_target(target: Target, specs: list, options: RequestOptions, w
         try:
             deadline = time.monotonic() + LOADING_TIMEOUT
             # a server given by --url may still be loading its model (503): its model id comes once it is ready
-            while (await probe.get(target.root + "/v1/models")).status_code == 503 and time.monotonic() < deadline:
+            while (await probe.get(target.root + "/v1/models", headers=target.headers)).status_code == 503 and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
         except httpx.HTTPError as exc:
             raise SystemExit(f"bench: cannot reach {target.name} at {target.root}: {exc or type(exc).__name__}") from None
         if target.model is None:
-            target = Target(target.name, target.base_url, await discover_model(probe, target), target.flavor)
+            target = replace(target, model=await discover_model(probe, target))
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout)) as client:
         for spec in specs[:warmup]:
             result = await send_request(client, target, spec, options, 0.0)
@@ -206,8 +239,9 @@ async def measure(
     is_lazy = {t.name: llama is not None and t.name == llama.target.name for t in targets}
     targets = [t if is_lazy[t.name] else await prepare_target(t, warm, options, args.warmup) for t in targets]
     levels = []
-    for shape in load_shapes(args):
-        specs = build_workload(num_requests(args, shape), args.prompt_tokens, args.output_tokens, args.seed,
+    for level, shape in enumerate(load_shapes(args)):
+        # Prompts of their own per level: a level sending the last one's again would meet them in the prefix cache.
+        specs = build_workload(num_requests(args, shape), args.prompt_tokens, args.output_tokens, args.seed + level,
                                args.shared_prefix, counter)
         for i, target in enumerate(targets):  # interleaved: every server at this level before the next level
             if is_lazy[target.name]:
@@ -274,14 +308,18 @@ async def run(args: argparse.Namespace) -> int:
             targets, hf_dir, started, llama = await start_servers(args, stack)
         else:
             url = args.url or DEFAULT_URL
-            targets = [Target(urlsplit(url).netloc or url, url, args.model)]
-        targets += [peer_target(spec) for spec in args.peer]
+            targets = [Target(urlsplit(url).netloc or url, url, args.model, api_key=args.api_key)]
+        targets += [replace(peer_target(spec), api_key=args.api_key) for spec in args.peer]
         tokenizer_dir = args.tokenizer or hf_dir
         counter = load_token_counter(tokenizer_dir) if tokenizer_dir else None
         targets, levels = await measure(args, targets, counter, started, llama)
     if args.json:
         print(f"bench: wrote {args.json}", file=sys.stderr)
     show(args, levels)
+    failed = [f"{lv.target} at {lv.shape.level:g}" for lv in levels if all(r.outcome != "ok" for r in lv.requests)]
+    if failed:  # a script or CI running the bench learns that nothing was measured
+        print(f"bench: every request failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -27,6 +27,11 @@ class Target:
     base_url: str
     model: str | None = None
     flavor: str = "openai"
+    api_key: str | None = None  # sent as a bearer token
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def root(self) -> str:
@@ -188,7 +193,8 @@ async def send_request(
             url = target.root + endpoint_path(options)
             for attempt in range(1 + KEEPALIVE_RETRIES):
                 try:
-                    async with client.stream("POST", url, json=body, extensions={"trace": trace}) as response:
+                    async with client.stream("POST", url, json=body, headers=target.headers,
+                                             extensions={"trace": trace}) as response:
                         await _read_response(response, result, state, sent, written[-1] if written else sent)
                     break
                 except httpx.RemoteProtocolError:
@@ -221,7 +227,7 @@ async def sample_health(client: httpx.AsyncClient, target: Target, interval: flo
 async def discover_model(client: httpx.AsyncClient, target: Target) -> str | None:
     """The first model id of GET /v1/models, or None (the request then names no model)."""
     try:
-        response = await client.get(target.root + "/v1/models")
+        response = await client.get(target.root + "/v1/models", headers=target.headers)
         data = response.json().get("data") if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError):
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -88,5 +89,8 @@ async def _probe_until_end_of_input(root: str, interval: float) -> list[HealthSa
 
 
 if __name__ == "__main__":
+    # A terminal's Ctrl-C reaches the whole process group: the load generator stops this prober (its stdin closes,
+    # as when the generator dies), so the signal is not for it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     found = asyncio.run(_probe_until_end_of_input(sys.argv[1], float(sys.argv[2])))
     sys.stdout.write(json.dumps([asdict(s) for s in found]))

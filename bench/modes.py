@@ -51,4 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m bench: unknown mode {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(MODES[name][0])
+    # argparse names a mode's usage after argv[0]: "python -m bench sampler", not "__main__.py" (or "sluice")
+    sys.argv[0] = "python -m bench" if name == "load" else f"python -m bench {name}"
     return module.main(rest) or 0

@@ -108,7 +108,7 @@ async def run_level(
             await asyncio.sleep(PROBER_STARTUP)
         elif health_interval:
             sampler = asyncio.create_task(sample_health(health_client, target, health_interval, health))
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.monotonic()  # the prober's samples carry monotonic times
         deadline = start + shape.max_duration if shape.max_duration else None
 
         async def one(spec: RequestSpec) -> None:
@@ -129,8 +129,8 @@ async def run_level(
             if sampler is not None:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
-            if prober is not None:
-                health += server_health(await prober.stop())
+            if prober is not None:  # the level's own probes, not those of the prober's idle second before it
+                health += server_health([s for s in await prober.stop() if s.at >= started_at])
         after = await metrics.scrape(health_client, target.root) if before is not None else None
     results.sort(key=lambda r: r.index)
     server = metrics.summarize_histograms(metrics.delta(before, after)) if before and after else {}

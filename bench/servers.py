@@ -66,6 +66,7 @@ def start(name: str, command: list[str], target: Target, log_dir: Path) -> Manag
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("SLUICE_API_KEY", None)  # the servers the bench starts are its own: open, as it measures them
     with open(log_path, "wb") as log:
         # A session of its own, so stop() can signal the server and any helper process it forks.
         process = subprocess.Popen(
@@ -141,6 +142,28 @@ def stop(server: ManagedServer, grace: float = 30.0) -> None:
         server.process.wait()
     except ProcessLookupError:
         pass
+
+
+def hf_folder_of_gguf(gguf: Path) -> Path:
+    """A Hugging Face folder of a GGUF's dequantised weights, for transformers serve (which takes no GGUF): written
+    once under Sluice's cache (bench/), float32, the values Sluice and transformers' GGUF loader both read. A
+    peer's copy only: Sluice itself never converts a model."""
+    from engine.config import load_config
+
+    folder = load_config().engine.cache_path / "bench" / f"{gguf.stem}-hf"
+    if (folder / ".complete").exists():
+        return folder
+    print(f"bench: writing {folder} from {gguf.name} for transformers serve (once)", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}
+    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype="float32")
+    plain = AutoModelForCausalLM.from_config(loaded.config, dtype="float32")  # a GGUF-loaded model will not save
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(**where).save_pretrained(folder)
+    (folder / ".complete").touch()  # a folder cut short by Ctrl-C is written again next time
+    return folder
 
 
 def resolve_hf_model_dir(explicit: str | None) -> str | None:

@@ -70,8 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    if args.llama_server and not args.sluice_model.endswith(".gguf"):
-        parser.error("--llama-server needs --sluice-model PATH.gguf")
+    if args.llama_server and args.sluice_model and not args.sluice_model.endswith(".gguf"):
+        parser.error("--llama-server needs a GGUF model: --sluice-model PATH.gguf (or the default model)")
+    gguf = llama_peer.resolve_gguf(None, args.sluice_model) if args.llama_server else None
     log_dir = Path(tempfile.gettempdir()) / "bench-ready"
     results: dict[str, list[tuple[float, float]]] = {}
 
@@ -93,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(cache, ignore_errors=True)
         for parallel in [int(p) for p in args.llama_parallel.split(",")] if args.llama_server else []:
             port = servers.free_port()
-            command = llama_peer.llama_command(args.llama_server, args.sluice_model, port, parallel)
+            command = llama_peer.llama_command(args.llama_server, gguf, port, parallel)
             measure(f"llama-server, {parallel} slots", "llama", command, port)
     print(f"\nmedians of {args.rounds} rounds ({Path(args.sluice_model).name or 'the default model'}):")
     medians = {kind: statistics.median(r for r, _ in runs) for kind, runs in results.items()}
