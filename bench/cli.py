@@ -331,5 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(run(args))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        print("bench: interrupted", file=sys.stderr)
+        kept = f" (the levels that finished are in {args.json}: --from-json {args.json} prints them)" if args.json else ""
+        print(f"bench: interrupted{kept}", file=sys.stderr)
         return 130
