@@ -64,9 +64,12 @@ def plan_tools(
 def _answer_schema(answer: StructuredOutputs) -> dict[str, Any]:
     if answer.json_object:
         return {"type": "object"}
-    schema = json.loads(answer.json) if isinstance(answer.json, str) else answer.json
+    try:
+        schema = json.loads(answer.json) if isinstance(answer.json, str) else answer.json
+    except ValueError as error:
+        raise InvalidRequest(f"{answer.error_param()} is not JSON: {error}", answer.error_param()) from None
     if not isinstance(schema, dict):
-        raise InvalidRequest("with tools, the answer format must be a JSON schema or json_object", answer.param)
+        raise InvalidRequest("with tools, the answer format must be a JSON schema or json_object", answer.error_param())
     if (error := _schema_error(schema)) is not None:
         raise InvalidRequest(f"{answer.error_param()} cannot be compiled: {error}", answer.error_param())
     return schema
