@@ -9,6 +9,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -36,14 +37,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=8, help="closed loop: streams kept busy (default 8)")
-    load.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
-    load.add_argument("--burst", type=int, nargs="?", const=256, help="send N requests at once (default 256)")
+    load.add_argument("--concurrency", type=_positive(int), default=8, help="closed loop: streams kept busy (default 8)")
+    load.add_argument("--rate", type=_positive(float), help="open loop: Poisson arrivals per second")
+    load.add_argument("--burst", type=_positive(int), nargs="?", const=256, help="send N requests at once (default 256)")
     p.add_argument("--sweep", type=_levels, help="comma-separated levels (concurrency, rate or burst size), "
                    "e.g. 1,4,16,64")
     p.add_argument("--num-requests", type=_num_requests, help="requests per level: N, or Kx for K per stream "
                    "(default: 4x, at least 16; 64 for --rate; the burst size for --burst)")
-    p.add_argument("--max-duration", type=float, help="stop issuing requests after this many seconds per level")
+    p.add_argument("--max-duration", type=_positive(float), help="stop issuing requests after this many seconds per level")
     p.add_argument("--prompt-tokens", type=LengthDist.parse,
                    help="prompt length: 128, uniform:64:192, normal:128:32 or exp:128 "
                    "(default 128; --soak uniform:8:256)")
@@ -61,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "prefix cache would serve a second run of the same prompts). Each level adds its index to it")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as a bearer token to --url and --peer servers (default: $OPENAI_API_KEY)")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="per-request limit in seconds")
     p.add_argument("--health-interval", type=float, default=0.05, help="seconds between GET /health; 0 disables")
     p.add_argument("--json", help="write the summaries and every request's timings to this file")
     p.add_argument("--plot", help="write latency CDFs and throughput to this PNG")
@@ -110,11 +111,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output_tokens = args.output_tokens or LengthDist.parse("128")
     if args.compare and not set(args.servers.split(",")) <= set(COMPARE_SERVERS):
         p.error(f"--servers takes a subset of {','.join(COMPARE_SERVERS)}")
+    if args.sweep and args.rate is None and any(v != int(v) for v in args.sweep):
+        p.error("--sweep: streams and burst sizes are whole numbers (fractions are --rate levels)")
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
         if not args.from_json:
             print(f"bench: prompts from --seed {args.seed} (pass it to send the same prompts again)", file=sys.stderr)
     return args
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: a positive {kind.__name__}")
+        return value
+
+    return parse
 
 
 def _levels(text: str) -> list[float]:
@@ -316,7 +332,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.json:
         print(f"bench: wrote {args.json}", file=sys.stderr)
     show(args, levels)
-    failed = [f"{lv.target} at {lv.shape.level:g}" for lv in levels if all(r.outcome != "ok" for r in lv.requests)]
+    failed = [f"{lv.target} at {lv.shape.level:g}" for lv in levels
+              if lv.requests and all(r.outcome != "ok" for r in lv.requests)]  # fmt: skip
     if failed:  # a script or CI running the bench learns that nothing was measured
         print(f"bench: every request failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -328,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         show(args, report.read_json(args.from_json)[0])
         return 0
+    began = time.time()
     try:
         return asyncio.run(run(args))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        kept = f" (the levels that finished are in {args.json}: --from-json {args.json} prints them)" if args.json else ""
+        wrote = args.json and os.path.exists(args.json) and os.path.getmtime(args.json) >= began  # by this run
+        kept = f" (the levels that finished are in {args.json}: --from-json {args.json} prints them)" if wrote else ""
         print(f"bench: interrupted{kept}", file=sys.stderr)
         return 130

@@ -60,10 +60,11 @@ def summarize_histograms(snapshot: Snapshot) -> dict[str, dict[str, float | None
     return out
 
 
-async def scrape(client: httpx.AsyncClient, root: str) -> Snapshot | None:
-    """None when the server has no /metrics (or it is not Prometheus text)."""
+async def scrape(client: httpx.AsyncClient, root: str, headers: dict[str, str] | None = None) -> Snapshot | None:
+    """None when the server has no /metrics (or it is not Prometheus text). headers: the API key, which a
+    server with keys asks /metrics for too."""
     try:
-        response = await client.get(root + "/metrics")
+        response = await client.get(root + "/metrics", headers=headers)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:

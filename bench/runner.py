@@ -99,7 +99,7 @@ async def run_level(
     width = int(shape.level) if shape.mode == "closed" else len(specs)
     async with make_client(width, transport) as client, make_client(1, transport) as health_client:
         load_before = os.getloadavg()[0]
-        before = await metrics.scrape(health_client, target.root)
+        before = await metrics.scrape(health_client, target.root, target.headers)
         sampler = prober = None
         if health_interval and transport is None:
             # A process of its own: the load generator's busy event loop adds nothing to the server's latencies.
@@ -131,7 +131,7 @@ async def run_level(
                 await asyncio.gather(sampler, return_exceptions=True)
             if prober is not None:  # the level's own probes, not those of the prober's idle second before it
                 health += server_health([s for s in await prober.stop() if s.at >= started_at])
-        after = await metrics.scrape(health_client, target.root) if before is not None else None
+        after = await metrics.scrape(health_client, target.root, target.headers) if before is not None else None
     results.sort(key=lambda r: r.index)
     server = metrics.summarize_histograms(metrics.delta(before, after)) if before and after else {}
     loadavg = (load_before, os.getloadavg()[0])

@@ -93,11 +93,9 @@ class ChatResponses(_Responses):
         super().__init__(model, token_text, wants_logprobs, include_usage)
         self._tool_syntax: CallSyntax | None = None  # set when the output may hold tool calls
         self._tool_parsers: dict[int, ToolCallParser] = {}  # per choice index
-        self._is_calls_only = False  # tool_choice "required" or a named function: the message has no content
 
-    def read_tool_calls(self, syntax: CallSyntax, is_calls_only: bool = False) -> None:
+    def read_tool_calls(self, syntax: CallSyntax) -> None:
         self._tool_syntax = syntax
-        self._is_calls_only = is_calls_only
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if self._tool_syntax is None:
@@ -113,8 +111,9 @@ class ChatResponses(_Responses):
         return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
     def opening_chunks(self, num_choices: int = 1) -> list[dict]:
-        # content null, as OpenAI streams a message of tool calls (its content is null when whole, too)
-        content = None if self._is_calls_only else ""
+        # Where calls may come, content null, as OpenAI opens a message of calls (whole, its content is null too);
+        # text that follows arrives in content deltas as ever.
+        content = None if self._tool_syntax is not None else ""
         return [self._delta({"role": "assistant", "content": content}, index=i) for i in range(num_choices)]
 
     def delta_chunks(self, output: RequestOutput) -> list[dict]:

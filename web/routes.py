@@ -44,7 +44,7 @@ async def chat_completions() -> Response:
     if plan.structured_outputs is not None:
         params = replace(params, structured_outputs=plan.structured_outputs)
     if plan.syntax is not None:
-        fmt.read_tool_calls(plan.syntax, is_calls_only=choice in ("required", "function"))
+        fmt.read_tool_calls(plan.syntax)
     with admit(s, entry, 1) as reservation:
         with named_as_sent(body.wire_names()):
             template_kwargs = {**plan.template_kwargs, **body.template_options()}

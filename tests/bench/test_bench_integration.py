@@ -110,7 +110,9 @@ def test_an_api_key_is_sent_and_a_run_that_measured_nothing_fails(tiny_llama_dir
 
 
 @pytest.mark.parametrize("flags", [["--sweep", "1,,4"], ["--sweep", "0,2"], ["--num-requests", "abc"],
-                                   ["--num-requests", "0"], ["--num-requests", "-3"]])  # fmt: skip
+                                   ["--num-requests", "0"], ["--num-requests", "-3"], ["--concurrency", "0"],
+                                   ["--rate", "-1"], ["--burst", "0"], ["--sweep", "1.5"], ["--timeout", "0"],
+                                   ["--max-duration", "-1"]])  # fmt: skip
 def test_bad_flags_are_usage_errors(flags: list[str], capsys: pytest.CaptureFixture) -> None:
     from bench.cli import parse_args
 

@@ -125,6 +125,8 @@ def test_auto_lets_the_model_choose_and_the_answer_is_content_or_calls(client: o
     assert content == whole.message.content
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert finish == whole.finish_reason
+    opening = next(iter(client.chat.completions.create(model=MODEL, stream=True, **body)))
+    assert opening.choices[0].delta.role == "assistant" and opening.choices[0].delta.content is None  # OpenAI's
 
 
 # As pydantic writes a model with an Enum field (openai.pydantic_function_tool): "$ref"s into the schema's own
@@ -150,6 +152,18 @@ def test_tool_parameters_may_refer_to_their_own_definitions(client: openai.OpenA
     for call in choice.message.tool_calls:
         assert call.function.name == name
         jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_ref_inside_the_clients_data_is_left_as_written(client: openai.OpenAI) -> None:
+    """A "$ref" key under const (an instance, not a schema) is the client's data: rebasing refs leaves it."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"const": {"$ref": "#/literal"}}, "y": {"$ref": "#/$defs/Y"}},
+        "required": ["x", "y"], "$defs": {"Y": {"enum": [1, 2]}}}}}  # fmt: skip
+    choice = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=100, temperature=0).choices[0]  # fmt: skip
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert arguments["x"] == {"$ref": "#/literal"} and arguments["y"] in (1, 2), arguments
 
 
 def test_a_tool_whose_parameters_do_not_compile_is_named(client: openai.OpenAI) -> None:

@@ -161,9 +161,13 @@ def _is_local_ref(key: str, value: Any) -> bool:
     return key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/"))
 
 
+# Keywords whose values are instances (data), not schemas: a "$ref" key inside them is the client's data.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
 def _has_local_ref(node: Any) -> bool:
     if isinstance(node, dict):
-        return any(_is_local_ref(k, v) or _has_local_ref(v) for k, v in node.items())
+        return any(_is_local_ref(k, v) or (k not in _DATA_KEYWORDS and _has_local_ref(v)) for k, v in node.items())
     if isinstance(node, list):
         return any(_has_local_ref(v) for v in node)
     return False
@@ -172,7 +176,8 @@ def _has_local_ref(node: Any) -> bool:
 def _rebase_refs(node: Any, base: str) -> Any:
     """node with each local "$ref" ("#/$defs/Unit") made relative to base ("#/$defs/sluice_tool_0/$defs/Unit")."""
     if isinstance(node, dict):
-        return {k: base + v[1:] if _is_local_ref(k, v) else _rebase_refs(v, base) for k, v in node.items()}
+        return {k: base + v[1:] if _is_local_ref(k, v) else v if k in _DATA_KEYWORDS else _rebase_refs(v, base)
+                for k, v in node.items()}  # fmt: skip
     if isinstance(node, list):
         return [_rebase_refs(v, base) for v in node]
     return node
