@@ -3,6 +3,7 @@ goes to another ready replica, no ready replica means 503 "loading", and a repli
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -136,3 +137,31 @@ def test_a_replica_that_failed_shows_no_stale_load() -> None:
     front_with(slot)._replica_failed(slot, RuntimeError("gone"))
     body = _replica_body(slot)
     assert body["state"] == "unavailable" and body["pid"] == 42 and "load" not in body and not body["ready"]
+
+
+def test_the_preemption_count_never_goes_down_when_a_replica_is_replaced() -> None:
+    """A Prometheus counter only goes up: a replica that dies keeps its count, and its replacement's adds to it."""
+
+    def report(pid: int, state: str, num_preemptions: int) -> ReplicaStats:
+        return ReplicaStats(pid=pid, state=state, running=0, waiting=0, pending=0, free_kv_blocks=1,
+                            total_kv_blocks=1, num_prefix_queries=0, num_prefix_hits=0,
+                            num_preemptions=num_preemptions)  # fmt: skip
+
+    slot, other = ReplicaSlot(0, FakeHandle()), ReplicaSlot(1, FakeHandle())
+    engine = front_with(slot, other)
+    reports = {0: [report(7, "ready", 4), None, report(8, "loading", 0), report(8, "ready", 3)],
+               1: [report(9, "ready", 4)] * 4}  # fmt: skip
+
+    async def answer(index: int) -> ReplicaStats:
+        stats = reports[index].pop(0)
+        if stats is None:
+            raise RuntimeError("the actor died")
+        return stats
+
+    for s in (slot, other):
+        s.handle.stats = SimpleNamespace(remote=partial(answer, s.index))
+    seen = []
+    for _ in range(4):
+        anyio.run(engine._poll_once)
+        seen.append(engine.stats().num_preemptions)
+    assert seen == [8, 8, 8, 11] and slot.num_restarts == 1

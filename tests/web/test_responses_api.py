@@ -290,6 +290,13 @@ def test_a_stored_responses_input_items_are_listed(client: openai.OpenAI, server
     assert page.data[0].content[0].text == "Again?" and page.data[2].content[0].text == "Hi 😀"
     assert page.data[1].content[0].type == "output_text" and page.data[1].content[0].text == first.output_text
     assert not page.has_more and page.first_id == page.data[0].id and len({item.id for item in page.data}) == 4
+    # An item keeps its id from response to response: the output message is listed under its own id.
+    first_page = client.responses.input_items.list(first.id)
+    assert [item.id for item in first_page.data] == [item.id for item in page.data[2:]]
+    assert page.data[1].id == first.output[0].id
+    mine = client.responses.create(model=MODEL, input=[{"id": "msg_mine", "role": "user", "content": "x"}],
+                                   max_output_tokens=2)  # fmt: skip
+    assert [item.id for item in client.responses.input_items.list(mine.id).data] == ["msg_mine"]
     paged = client.responses.input_items.list(second.id, order="asc", limit=3)
     assert [item.id for item in paged.data] == [item.id for item in reversed(page.data)][:3] and paged.has_more
     assert [item.id for item in paged] == [item.id for item in reversed(page.data)]  # the SDK follows `after`

@@ -61,9 +61,14 @@ class ReplicaSlot:
     is_ready: bool = False
     num_in_flight: int = 0  # requests this front has sent there and not yet ended
     num_restarts: int = 0
+    num_earlier_preemptions: int = 0  # those of the slot's replaced replicas: the counter never goes down
     failed_at: float | None = None  # monotonic time of the last failure seen in one of its streams
     is_answering: bool = False  # its last report came, and no stream failed since
     listener: anyio.CancelScope | None = None  # the reader of its outputs() stream, while one runs
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_earlier_preemptions + (self.stats.num_preemptions if self.stats is not None else 0)
 
     @property
     def load(self) -> int:
@@ -191,7 +196,7 @@ class ClusterEngine:
             free_kv_blocks=sum(r.free_kv_blocks for r in reported),
             total_kv_blocks=sum(r.total_kv_blocks for r in reported),
             prefix_cache_hit_rate=sum(r.num_prefix_hits for r in reported) / queries if queries else 0.0,
-            num_preemptions=sum(r.num_preemptions for r in reported),
+            num_preemptions=sum(s.num_preemptions for s in self._slots),  # the replaced and the unready too
             num_ready=sum(s.is_ready for s in self._slots),
             routing=self.config.cluster.routing,
             decisions=dict(router.decisions) if router is not None else {},
@@ -310,6 +315,7 @@ class ClusterEngine:
             return  # a stream failed while this report travelled: wait for a report from after the failure
         if slot.stats is not None and stats.pid != slot.stats.pid:
             slot.num_restarts += 1
+            slot.num_earlier_preemptions += slot.stats.num_preemptions
             if self._router is not None:
                 self._router.memory.forget(slot.index)
             logger.info("replica %d restarted (pid %d -> %d)", slot.index, slot.stats.pid, stats.pid)

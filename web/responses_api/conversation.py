@@ -31,14 +31,21 @@ def function_call_output(call_id: str, output: str) -> Item:
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
-def listed_input_items(response_id: str, items: list[Item]) -> list[dict[str, Any]]:
-    """A stored response's input items as GET /v1/responses/{id}/input_items shows them (OpenAI's item objects):
-    each with an id derived from the response's and its place, so that `after` finds it again."""
+def with_ids(response_id: str, items: list[Item]) -> list[Item]:
+    """The items a response is stored with, each with an id: its own (an output item's, one the client gave),
+    else one made from the response's id and its place. A later response's listing shows the same ids."""
     base = response_id.removeprefix("resp_")
+    return [item if "id" in item else {**item, "id": f"{_ID_PREFIXES.get(item['type'], 'item')}_{base}_{i}"}
+            for i, item in enumerate(items)]  # fmt: skip
+
+
+def listed_input_items(items: list[Item]) -> list[dict[str, Any]]:
+    """A stored response's input items (with_ids') as GET /v1/responses/{id}/input_items shows them: OpenAI's
+    item objects."""
     listed = []
-    for i, item in enumerate(items):
+    for item in items:
         kind = item["type"]
-        shown: dict[str, Any] = {"id": f"{_ID_PREFIXES.get(kind, 'item')}_{base}_{i}", **item, "status": "completed"}
+        shown: dict[str, Any] = {**item, "status": "completed"}
         if kind == "message":
             part = "output_text" if item["role"] == "assistant" else "input_text"
             shown["content"] = [{"type": part, "text": item["content"]}]
@@ -51,9 +58,10 @@ def output_items_as_input(output: list[dict[str, Any]]) -> list[Item]:
     items = []
     for item in output:
         if item["type"] == "message":
-            items.append(message("assistant", "".join(part.get("text", "") for part in item["content"])))
+            text = "".join(part.get("text", "") for part in item["content"])
+            items.append({**message("assistant", text), "id": item["id"]})
         elif item["type"] == "function_call":
-            items.append(function_call(item["call_id"], item["name"], item["arguments"]))
+            items.append({**function_call(item["call_id"], item["name"], item["arguments"]), "id": item["id"]})
     return items
 
 

@@ -239,8 +239,16 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
 
 
 def _input_item(raw: Any, where: str) -> Item:
+    """The canonical item, keeping the id the client gave it (GET .../input_items shows it)."""
     if not isinstance(raw, dict):
         raise APIError(400, f"{where}: an input item must be an object, not {type(raw).__name__}", param=where)
+    item = _canonical_item(raw, where)
+    if isinstance(raw.get("id"), str) and raw["id"]:
+        item["id"] = raw["id"]
+    return item
+
+
+def _canonical_item(raw: dict[str, Any], where: str) -> Item:
     kind = raw.get("type", "message" if "role" in raw else None)
     if kind == "message":
         item = _validate(MessageItem, raw, where)

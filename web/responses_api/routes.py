@@ -19,7 +19,7 @@ from web.errors import APIError
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import Usage
-from web.responses_api.conversation import Item, chat_messages, listed_input_items, output_items_as_input
+from web.responses_api.conversation import Item, chat_messages, listed_input_items, output_items_as_input, with_ids
 from web.responses_api.output import ResponseBuilder, new_id, usage_object
 from web.responses_api.request import ResponsesRequest, parse_responses_request
 from web.responses_api.store import ResponseStore
@@ -98,7 +98,7 @@ async def list_input_items(response_id: str) -> Response:
     stored = s.response_store.get(response_id, key_owner(s))
     if stored is None:
         raise not_found(response_id)
-    items = listed_input_items(response_id, orjson.loads(stored.conversation)[: stored.num_input_items])
+    items = listed_input_items(orjson.loads(stored.conversation)[: stored.num_input_items])
     limit, order, after = request.args.get("limit", "20"), request.args.get("order", "desc"), request.args.get("after")
     if not limit.isdecimal() or not 1 <= int(limit) <= 100:
         raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
@@ -146,7 +146,7 @@ def previous_conversation(store: ResponseStore, response_id: str | None, owner: 
 
 
 def store_response(store: ResponseStore, builder: ResponseBuilder, owner: bytes | None, items: list[Item]) -> None:
-    conversation = orjson.dumps(items + output_items_as_input(builder.output))
+    conversation = orjson.dumps(with_ids(builder.id, items) + output_items_as_input(builder.output))
     if not store.put(builder.id, owner, orjson.dumps(builder.response()), conversation, len(items)):
         logger.warning("response %s is larger than the whole response store (%d bytes): not stored",
                        builder.id, store.max_bytes)  # fmt: skip
