@@ -224,7 +224,9 @@ async def prepare_target(target: Target, specs: list, options: RequestOptions, w
         try:
             deadline = time.monotonic() + LOADING_TIMEOUT
             # a server given by --url may still be loading its model (503): its model id comes once it is ready
-            while (await probe.get(target.root + "/v1/models", headers=target.headers)).status_code == 503 and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                if (await probe.get(target.root + "/v1/models", headers=target.headers)).status_code != 503:
+                    break
                 await asyncio.sleep(0.5)
         except httpx.HTTPError as exc:
             raise SystemExit(f"bench: cannot reach {target.name} at {target.root}: {exc or type(exc).__name__}") from None

@@ -278,7 +278,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         is_json = so is None or all(v is None for v in (so.regex, so.choice, so.grammar))
         if choice != "none" and names and not is_json:
             raise APIError(400, "structured_outputs regex / choice / grammar cannot be combined with tools unless "
-                           "tool_choice is 'none' (a JSON schema or json_object can)", param="structured_outputs")  # fmt: skip
+                           "tool_choice is 'none' (a JSON schema or json_object can)",
+                           param="structured_outputs")  # fmt: skip
 
     def tool_choice_kind(self) -> tuple[str, str | None]:
         """("none" | "auto" | "required" | "function", the named function). OpenAI's default: auto with tools."""

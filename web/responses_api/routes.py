@@ -1,6 +1,7 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the Responses API on the chat path's engine,
-admission, tool calls and structured outputs. A request becomes chat messages (its previous response's
-conversation, then its input), runs as one chat request, and is told as a response (web/responses_api/output.py)."""
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the Responses API
+on the chat path's engine, admission, tool calls and structured outputs. A request becomes chat messages (its
+previous response's conversation, then its input), runs as one chat request, and is told as a response
+(web/responses_api/output.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ async def create_response() -> Response:
     params = body.to_sampling_params()
     choice, function_name = body.tool_choice_kind()
     plan = plan_tools(s.tool_format, chat_messages(body.instructions, items), body.function_tools(), choice,
-                      function_name, bool(body.parallel_tool_calls), s.tool_marker_tokens, params.structured_outputs)  # fmt: skip
+                      function_name, bool(body.parallel_tool_calls), s.tool_marker_tokens,
+                      params.structured_outputs)  # fmt: skip
     if plan.structured_outputs is not None:
         params = replace(params, structured_outputs=plan.structured_outputs)
     builder = ResponseBuilder(new_id("resp"), settings, plan.syntax)

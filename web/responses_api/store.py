@@ -47,7 +47,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, owner: bytes | None, body: bytes, conversation: bytes, num_input_items: int = 0) -> bool:
+    def put(
+        self, response_id: str, owner: bytes | None, body: bytes, conversation: bytes, num_input_items: int = 0
+    ) -> bool:
         """Keep a response (replacing one of the same id). False when it alone exceeds the budget."""
         self._drop(response_id)
         entry = StoredResponse(owner, body, conversation, self._clock(), num_input_items)
