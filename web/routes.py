@@ -46,7 +46,7 @@ async def chat_completions() -> Response:
     if plan.syntax is not None:
         fmt.read_tool_calls(plan.syntax)
     with admit(s, entry, 1) as reservation:
-        with named_as_sent(body.wire_names()):
+        with named_as_sent(body.wire_names()), plan.errors_named():
             template_kwargs = {**plan.template_kwargs, **body.template_options()}
             prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **template_kwargs)
         return await generate(s, reservation, fmt, prepared, bool(body.stream))

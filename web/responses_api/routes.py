@@ -60,7 +60,7 @@ async def create_response() -> Response:
 
     with admit(s, entry, 1) as reservation:
         try:
-            with named_as_sent(body.wire_names()):
+            with named_as_sent(body.wire_names()), plan.errors_named():
                 prepared = await s.engine.prepare_chat(builder.id, plan.messages, params, **plan.template_kwargs)
         except InvalidRequest as error:  # the input processor names the chat path's parameter, "messages"
             if error.param != "messages":

@@ -4,7 +4,8 @@ output is read (the call syntax, or None when calls are not parsed)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,20 @@ class ToolPlan:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     structured_outputs: StructuredOutputs | None = None
     syntax: CallSyntax | None = None  # None: the output is content only
+    tools: Sequence[FunctionTool] = ()  # those the grammar holds
+    answer: tuple[str, dict[str, Any]] | None = None  # the answer format the grammar holds: (its param, schema)
+
+    @contextmanager
+    def errors_named(self) -> Iterator[None]:
+        """A tools grammar that does not compile (the input processor's InvalidRequest naming "tools") is told in
+        the client's terms: the tool, or the answer format, whose schema llguidance cannot hold. Looked for only
+        then: a request whose tools compile pays for one compile."""
+        try:
+            yield
+        except InvalidRequest as error:
+            if error.param != "tools":
+                raise
+            raise _culprit(self.tools, self.answer) or error from None
 
 
 def plan_tools(
@@ -47,12 +62,12 @@ def plan_tools(
         plan = ToolPlan(messages, {"tools": [t.as_openai() for t in tools]}, syntax=fmt.syntax)
     else:
         plan = ToolPlan(_with_system_prompt(messages, fmt.system_prompt(tools)), syntax=fmt.syntax)
-    if choice in ("required", "function") or not fmt.is_in_template or answer is not None:
-        _check_parameters(tools)
+    plan.tools = tools
     if choice in ("required", "function"):  # the output is calls: an answer format has nothing to shape
         grammar = fmt.call_grammar(tools, is_parallel, marker_tokens)
     elif answer is not None:
-        grammar = fmt.answer_or_calls_grammar(tools, is_parallel, _answer_schema(answer), marker_tokens)
+        plan.answer = (answer.error_param(), _answer_schema(answer))
+        grammar = fmt.answer_or_calls_grammar(tools, is_parallel, plan.answer[1], marker_tokens)
     elif not fmt.is_in_template:
         grammar = fmt.auto_grammar(tools, is_parallel)
     else:
@@ -70,17 +85,18 @@ def _answer_schema(answer: StructuredOutputs) -> dict[str, Any]:
         raise InvalidRequest(f"{answer.error_param()} is not JSON: {error}", answer.error_param()) from None
     if not isinstance(schema, dict):
         raise InvalidRequest("with tools, the answer format must be a JSON schema or json_object", answer.error_param())
-    if (error := _schema_error(schema)) is not None:
-        raise InvalidRequest(f"{answer.error_param()} cannot be compiled: {error}", answer.error_param())
     return schema
 
 
-def _check_parameters(tools: Sequence[FunctionTool]) -> None:
-    """A tool whose parameters are no JSON schema a grammar can hold is named, in the client's own terms (the
-    combined grammar's error would point into Sluice's wrapping of the schemas)."""
+def _culprit(tools: Sequence[FunctionTool], answer: tuple[str, dict[str, Any]] | None) -> InvalidRequest | None:
+    """The first tool, or else the answer format, whose schema llguidance cannot hold (the combined grammar's
+    error points into Sluice's wrapping of the schemas), as the client's error."""
     for tool in tools:
         if tool.parameters and (error := _schema_error(tool.parameters)) is not None:
-            raise InvalidRequest(f"the parameters of tool {tool.name!r} are not a usable JSON schema: {error}", "tools")
+            return InvalidRequest(f"the parameters of tool {tool.name!r} are not a usable JSON schema: {error}", "tools")
+    if answer is not None and (error := _schema_error(answer[1])) is not None:
+        return InvalidRequest(f"{answer[0]} cannot be compiled: {error}", answer[0])
+    return None
 
 
 def _schema_error(schema: dict[str, Any]) -> str | None:
