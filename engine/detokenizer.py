@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
+        self._pending: list[int] = []  # tokens the stream holds: their text so far ends inside a character
         self.text = ""  # everything emitted so far
 
     def step(self, token_id: int, can_stop: bool = True) -> tuple[str, str | None]:
@@ -44,15 +47,28 @@ class IncrementalDetokenizer:
         """
         piece = self._stream.step(self._tokenizer, token_id)
         if piece is None:
+            self._pending.append(token_id)
             return "", None
+        self._pending.clear()
         return self._emit(self._held + piece, can_stop)
 
     def flush(self) -> str:
-        """At the end: release a held partial stop match. Bytes of a character that max_tokens cut off
-        are dropped (as vLLM does), so no request ends in U+FFFD."""
-        tail, self._held = self._held, ""
+        """At the end: release a held partial stop match, then what the stream still holds. Bytes that make no
+        character are U+FFFD, as in a full decode; only a character that max_tokens cut off is dropped (as vLLM
+        does). Stop strings are not looked for in that last text."""
+        tail = self._held + self._unfinished_text()
+        self._held, self._pending = "", []
         self.text += tail
         return tail
+
+    def _unfinished_text(self) -> str:
+        # The pending tokens start on a character boundary: the stream emitted everything before them.
+        if not self._pending:
+            return ""
+        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
+        if text.endswith("\ufffd") and _ends_inside_a_character(self._tokenizer, self._pending):
+            text = text[:-1]  # one U+FFFD stands for the cut character's bytes, in Python's and Rust's decoders
+        return text
 
     def _emit(self, text: str, can_stop: bool) -> tuple[str, str | None]:
         if not self._stop or not can_stop:
@@ -119,15 +135,31 @@ def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_speci
     return stream
 
 
+def _ends_inside_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
+    """Whether the tokens' bytes end with the start of a UTF-8 character, whatever bytes come before (False where
+    a token's piece does not spell its bytes)."""
+    pieces = _pieces_bytes(tokenizer, token_ids)
+    if pieces is None:
+        return False
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(b"".join(pieces))
+    return bool(decoder.getstate()[0])
+
+
+def _pieces_bytes(tokenizer: Tokenizer, token_ids: list[int]) -> list[bytes] | None:
+    byte_level = is_byte_level(tokenizer)
+    pieces = [piece_bytes(tokenizer.id_to_token(t) or "", byte_level) for t in token_ids]
+    return None if any(p is None for p in pieces) else pieces  # type: ignore[return-value]
+
+
 def _begins_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
     """Whether the tokens' bytes end inside a UTF-8 character (False where a token's piece does not spell its
     bytes)."""
-    byte_level = is_byte_level(tokenizer)
-    pieces = [piece_bytes(tokenizer.id_to_token(t) or "", byte_level) for t in token_ids]
-    if any(p is None for p in pieces):
+    pieces = _pieces_bytes(tokenizer, token_ids)
+    if pieces is None:
         return False
     try:
-        b"".join(pieces).decode("utf-8")  # type: ignore[arg-type]
+        b"".join(pieces).decode("utf-8")
     except UnicodeDecodeError as error:
         return error.reason == "unexpected end of data"
     return False

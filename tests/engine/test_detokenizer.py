@@ -1,3 +1,5 @@
+import codecs
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -102,6 +104,27 @@ def test_a_character_cut_off_at_the_end_is_dropped(tokenizer):
     first_byte_of_emoji = tokenizer.encode("😀")[0]
     assert detok.step(first_byte_of_emoji) == ("", None)
     assert detok.flush() == "" and detok.text == "o"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xed\xef\x97\xed\xef\x97", b"\x80\x80", b"\xc3\xc3", b"\xf0\x9f\x98", b"ok\xe6\x80\xe6", b"\xff\xe6\x97\xa5\xe6"],
+)
+def test_bytes_that_make_no_character_are_replaced_at_the_end(tokenizer, data):
+    """A random model's bytes may never make a character: the stream holds them all. At the end they show as in
+    a full decode (U+FFFD), less only the character the length cut (not a whole output lost)."""
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _alphabet().items()}
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode("Hello"), [], False, True)
+    deltas = [detok.step(byte_token[b])[0] for b in data] + [detok.flush()]
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    expected = decoder.decode(data)  # without final=True: a cut character's bytes stay in the decoder
+    assert "".join(deltas) == expected == detok.text  # "" only for the cut emoji alone
+
+
+def _alphabet() -> dict[str, int]:
+    from engine.token_bytes import _byte_level_alphabet
+
+    return _byte_level_alphabet()
 
 
 def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
