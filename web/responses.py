@@ -33,6 +33,11 @@ class Usage:
         return cls(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
 
     @classmethod
+    def of_output(cls, output: RequestOutput) -> Usage:
+        """One choice's usage as of this delta (vLLM's continuous_usage_stats count per choice)."""
+        return cls(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+
+    @classmethod
     def total(cls, usages: list[Usage]) -> Usage:
         """A list of prompts' usage: every prompt's tokens counted."""
         return cls(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
@@ -60,13 +65,22 @@ class _Responses:
     chunk_object = ""
     response_object = ""
 
-    def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool,
+        continuous_usage: bool = False,
+    ) -> None:  # fmt: skip
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.token_text = token_text
         self.wants_logprobs = wants_logprobs
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self._usage_now: dict[str, Any] | None = None  # what each chunk's usage says (None but with continuous_usage)
+
+    def usage_now(self, usage: Usage) -> None:
+        """With continuous_usage: the usage the chunks built next carry."""
+        self._usage_now = usage.as_dict()
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
@@ -74,7 +88,7 @@ class _Responses:
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = self._envelope(self.chunk_object, [choice])
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._usage_now
         return chunk
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -89,8 +103,8 @@ class ChatResponses(_Responses):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
-    def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
-        super().__init__(model, token_text, wants_logprobs, include_usage)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._tool_syntax: CallSyntax | None = None  # set when the output may hold tool calls
         self._tool_parsers: dict[int, ToolCallParser] = {}  # per choice index
 
@@ -189,8 +203,8 @@ class CompletionResponses(_Responses):
     chunk_object = "text_completion"
     response_object = "text_completion"
 
-    def __init__(self, model: str, token_text: TokenText, wants_logprobs: bool, include_usage: bool) -> None:
-        super().__init__(model, token_text, wants_logprobs, include_usage)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._offsets: dict[int, TextOffsets] = {}  # per choice index
 
     def _text(self, text: str, finish_reason: str | None = None, logprobs: Any = None, index: int = 0) -> dict:

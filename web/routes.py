@@ -36,7 +36,8 @@ async def chat_completions() -> Response:
     data, entry = await receive_body(s)
     body = parse_request(ChatCompletionRequest, parse_json(data))
     params = body.to_sampling_params()
-    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage)
+    fmt = ChatResponses(s.check_model(body.model), s.token_text, bool(body.logprobs), body.include_usage,
+                        body.continuous_usage)
     choice, function_name = body.tool_choice_kind()
     messages = [m.as_template_dict() for m in body.messages]
     plan = plan_tools(s.tool_format, messages, body.function_tools(), choice, function_name,
@@ -58,7 +59,8 @@ async def completions() -> Response:
     data, entry = await receive_body(s)
     body = parse_request(CompletionRequest, parse_json(data))
     params = body.to_sampling_params()
-    fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage)
+    fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage,
+                              body.continuous_usage)
     prompts = body.prompts()
     # One request runs no more sequences than the admission queue holds requests: a list of prompts times n would
     # otherwise let one client put thousands of sequences ahead of everyone else.

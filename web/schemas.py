@@ -28,6 +28,7 @@ StrictModel = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 class StreamOptions(BaseModel):
     model_config = StrictModel
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -93,6 +94,11 @@ class SamplingFields(RequestBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats, which counts only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -40,6 +40,8 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
     # together): each write is a trip through Hypercorn and a send call on the event loop, which 64 streams share.
     try:
         async with outputs:
+            if fmt.continuous_usage:
+                fmt.usage_now(Usage(outputs.request.num_prompt_tokens))
             for chunk in fmt.opening_chunks(outputs.request.num_choices):
                 yield sse_event(chunk)
             async for output in outputs:
@@ -47,6 +49,8 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
                 if output.finish_reason is FinishReason.ERROR:
                     last = engine_error_event(output.error or "the engine failed")
                     break
+                if fmt.continuous_usage:
+                    fmt.usage_now(Usage.of_output(output))
                 events = [sse_event(chunk) for chunk in fmt.delta_chunks(output)]
                 if output.finished:
                     reason = output.finish_reason or FinishReason.STOP
@@ -105,6 +109,8 @@ async def stream_batch_events(
             if output.finish_reason is FinishReason.ERROR:
                 last = engine_error_event(output.error or "the engine failed")
                 break
+            if fmt.continuous_usage:
+                fmt.usage_now(Usage.of_output(output))
             output.index += p * n
             events = [sse_event(chunk) for chunk in fmt.delta_chunks(output)]
             if output.finished:

@@ -73,6 +73,28 @@ def test_chat_stream_format_is_exactly_openai(http: httpx.Client) -> None:
     assert all(line == "" for line in result.raw_lines[1::2])
 
 
+def test_continuous_usage_stats_put_the_tokens_so_far_in_every_chunk(http: httpx.Client) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens its choice has so far
+    (the logprobs of the chunks up to it), the usage chunk the whole; only with include_usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**CHAT, "logprobs": True, "stream_options": options}
+    chunks = stream_request(http, "/v1/chat/completions", body).events[:-1]
+    *chunks, total = chunks
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 12
+    prompt_tokens = total["usage"]["prompt_tokens"]
+    num_tokens = 0
+    for chunk in chunks:
+        num_tokens += len((chunk["choices"][0]["logprobs"] or {}).get("content") or [])
+        assert chunk["usage"]["prompt_tokens"] == prompt_tokens and chunk["usage"]["completion_tokens"] == num_tokens
+        assert chunk["usage"]["total_tokens"] == prompt_tokens + num_tokens
+    assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[-1]["usage"]["completion_tokens"] == 12
+    completion = {**COMPLETION, "stream": True, "stream_options": options}
+    chunks = stream_request(http, "/v1/completions", completion).events[:-1]
+    assert [c["usage"]["completion_tokens"] for c in chunks][-2:] == [12, 12]  # the finish chunk, then the total
+    without_usage = {**completion, "stream_options": {"continuous_usage_stats": True}}
+    assert all("usage" not in c for c in stream_request(http, "/v1/completions", without_usage).events[:-1])
+
+
 def test_completion_stream_format(http: httpx.Client) -> None:
     result = stream_request(http, "/v1/completions", COMPLETION)
     chunks = result.events[:-1]

@@ -53,7 +53,7 @@ class _Outputs:
 
 
 class _Format:
-    include_usage = False
+    include_usage = continuous_usage = False
 
     def opening_chunks(self, num_choices: int) -> list[dict]:
         return [{"open": num_choices}]
