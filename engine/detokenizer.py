@@ -62,13 +62,22 @@ class IncrementalDetokenizer:
         return tail
 
     def _unfinished_text(self) -> str:
-        # The pending tokens start on a character boundary: the stream emitted everything before them.
+        # The pending tokens start on a character boundary (the stream emitted everything before them), unless the
+        # prompt ended inside a character they never finished: their first bytes then show as U+FFFD.
         if not self._pending:
             return ""
-        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
-        if text.endswith("\ufffd") and _ends_inside_a_character(self._tokenizer, self._pending):
-            text = text[:-1]  # one U+FFFD stands for the cut character's bytes, in Python's and Rust's decoders
-        return text
+        data = self._pending_bytes()
+        if data is None:  # a piece that does not spell its bytes: the tokenizer's own text of them, whole
+            return self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
+        # One U+FFFD per run of bytes that makes no character (as a byte-level decode shows them); the decoder,
+        # never told the input is final, keeps back the start of a last character: the one max_tokens cut.
+        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data)
+
+    def _pending_bytes(self) -> bytes | None:
+        skip = self._skip_special_tokens
+        kept = [t for t in self._pending if not (skip and self._tokenizer.decode([t], skip_special_tokens=True) == "")]
+        pieces = _pieces_bytes(self._tokenizer, kept)
+        return None if pieces is None else b"".join(pieces)
 
     def _emit(self, text: str, can_stop: bool) -> tuple[str, str | None]:
         if not self._stop or not can_stop:
@@ -133,17 +142,6 @@ def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_speci
         for token_id in tail:
             stream.step(tokenizer, token_id)
     return stream
-
-
-def _ends_inside_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
-    """Whether the tokens' bytes end with the start of a UTF-8 character, whatever bytes come before (False where
-    a token's piece does not spell its bytes)."""
-    pieces = _pieces_bytes(tokenizer, token_ids)
-    if pieces is None:
-        return False
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    decoder.decode(b"".join(pieces))
-    return bool(decoder.getstate()[0])
 
 
 def _pieces_bytes(tokenizer: Tokenizer, token_ids: list[int]) -> list[bytes] | None:

@@ -121,6 +121,14 @@ def test_bytes_that_make_no_character_are_replaced_at_the_end(tokenizer, data):
     assert "".join(deltas) == expected == detok.text  # "" only for the cut emoji alone
 
 
+def test_a_special_token_among_held_bytes_is_skipped(tokenizer):
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _alphabet().items()}
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode("Hello"), [], False, True)
+    assert [detok.step(t)[0] for t in (byte_token[0x80], special, byte_token[0xE6])] == ["", "", ""]
+    assert detok.flush() == "\ufffd"  # the stray byte; the special token skipped, the cut character dropped
+
+
 def _alphabet() -> dict[str, int]:
     from engine.token_bytes import _byte_level_alphabet
 
