@@ -1,6 +1,6 @@
 """n choices of one prompt in one request, against the same n as separate requests, on a running server.
 
-    python -m bench parallel-sampling [--base-url http://127.0.0.1:8000] [--n 8] [--prompt-tokens 128]
+    python -m bench parallel-sampling [--url http://127.0.0.1:8000] [--n 8] [--prompt-tokens 128]
                                       [--output-tokens 128] [--repeats 3]
 
 Three ways to get n completions of one prompt, each exactly --output-tokens long (ignore_eos, seeded
@@ -54,7 +54,7 @@ def concurrent(client: httpx.Client, body: dict, n: int) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the first model /v1/models lists")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
 
-    with httpx.Client(base_url=args.base_url, limits=httpx.Limits(max_connections=args.n + 1)) as client:
+    with httpx.Client(base_url=args.url, limits=httpx.Limits(max_connections=args.n + 1)) as client:
         model = args.model or client.get("/v1/models").json()["data"][0]["id"]
         body = {
             "model": model,
