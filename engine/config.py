@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -15,6 +16,10 @@ DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
 PRECISIONS = ("exact", "int8")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# SLUICE_* names read outside the config's keys: the config file, the native step's kernel variant and switch.
+OTHER_ENV_NAMES = ("SLUICE_CONFIG", "SLUICE_ISA", "SLUICE_NATIVE")
+
+logger = logging.getLogger("sluice.config")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,10 @@ class ServerConfig:
     responses_store_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # NaN passes every comparison below, and an infinite timeout is none
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number of seconds, got {value!r}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("api_key: keys are separated by single commas, with no spaces and no empty key")
         if any(o != "*" and not o.startswith(("http://", "https://")) for o in self.cors_origin_list):
@@ -180,6 +189,23 @@ def _parse(key: str, value: str, expected: type) -> Any:
         raise ValueError(f"{key} expects {_TYPE_NAMES[expected]}, got {value!r}") from None
 
 
+def _check_file_types(cls: type, values: dict[str, Any], where: str) -> None:
+    """TOML has types: a string where a number or a boolean belongs is an error (only overrides from the
+    environment and the command line are strings to parse)."""
+    for f in fields(cls):
+        value = values.get(f.name)
+        if isinstance(value, str) and not isinstance(f.default, str):
+            raise ValueError(f"{where}: {f.name} expects {_TYPE_NAMES[type(f.default)]}, got {value!r}")
+
+
+def _warn_unknown_env(environ: Any, classes: list[type]) -> None:
+    known = {f"SLUICE_{f.name.upper()}" for cls in classes for f in fields(cls)} | set(OTHER_ENV_NAMES)
+    unknown = sorted(name for name in environ if name.startswith("SLUICE_") and name not in known)
+    if unknown:  # a misspelt name (SLUICE_API_KEYS) would otherwise leave its setting at the default unnoticed
+        logger.warning("unknown environment variables ignored: %s (the names are SLUICE_ and a config key in "
+                       "capitals, e.g. SLUICE_API_KEY)", ", ".join(unknown))  # fmt: skip
+
+
 def _build(cls: type, values: dict[str, Any], section: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = set(values) - known
@@ -217,9 +243,11 @@ def load_config(
     for section in sections:
         if not isinstance(data.get(section, {}), dict):
             raise ValueError(f"{path}: {section} must be a [{section}] section")
+    _warn_unknown_env(environ, [cls for cls, _ in sections.values()])
     built = {}
     for section, (cls, overrides) in sections.items():
         values = dict(data.get(section, {}))
+        _check_file_types(cls, values, f"{path} [{section}]")
         for f in fields(cls):
             env_value = environ.get(f"SLUICE_{f.name.upper()}")
             if env_value is not None:

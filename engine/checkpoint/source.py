@@ -45,6 +45,8 @@ def model_path(model: str, cache_root: Path | None = None) -> Path:
 
 
 def served_name(model: str, cache_root: Path | None = None) -> str:
+    if model == GEMMA3_270M_NAME:  # the name the user gave, as vLLM serves its --model argument
+        return model
     path = model_path(model, cache_root)
     if path.is_file():
         name = path.name.removesuffix(".gguf")

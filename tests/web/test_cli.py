@@ -110,7 +110,9 @@ def test_bad_values_exit_2_with_the_reason() -> None:
     done = sluice("serve", "--config", "no-such-file.toml")  # not the defaults, silently
     assert done.returncode == 2 and "config file 'no-such-file.toml' not found" in done.stderr
     for flags, reason in ((["--log-level", "verbose"], "log_level must be one of"),
-                          (["--retry-after-seconds", "-3"], "retry_after_seconds must be >= 0")):  # fmt: skip
+                          (["--retry-after-seconds", "-3"], "retry_after_seconds must be >= 0"),
+                          (["--drain-timeout", "nan"], "drain_timeout must be a finite number"),
+                          (["--body-timeout", "inf"], "body_timeout must be a finite number")):  # fmt: skip
         done = sluice("serve", *flags)
         assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr
 
@@ -122,6 +124,9 @@ def test_bad_values_exit_2_with_the_reason() -> None:
         ("[engine]\nnum_threads = 1.5\n", "num_threads expects an integer, got 1.5"),
         ("[server]\nport = true\n", "port expects an integer, got True"),
         ("[server]\nmax_pending = [1, 2]\n", "max_pending expects an integer"),
+        ('[server]\nport = "18621"\n', "port expects an integer, got '18621'"),  # TOML has types: no parsing
+        ('[server]\nmetrics_need_key = "no"\n', "metrics_need_key expects a boolean, got 'no'"),
+        ("[server]\ndrain_timeout = nan\n", "drain_timeout must be a finite number of seconds, got nan"),
         ("[sever]\nport = 9000\n", "unknown sections or keys ['sever']"),
         ("port = 9000\n", "unknown sections or keys ['port']"),
     ],
@@ -131,6 +136,17 @@ def test_a_config_file_of_wrong_types_or_sections_is_one_line_and_exit_2(tmp_pat
     config_file.write_text(text)
     for done in (sluice("serve", "--config", str(config_file)), sluice("serve", env={"SLUICE_CONFIG": str(config_file)})):
         assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_misspelt_environment_variable_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from engine.config import load_config
+
+    environ = {"SLUICE_API_KEYS": "sk-one", "SLUICE_PORT": "9001", "SLUICE_ISA": "avx2", "SLUICE_NATIVE": "1"}
+    with caplog.at_level("WARNING", logger="sluice.config"):
+        config = load_config(environ=environ)
+    assert config.server.api_key == "" and config.server.port == 9001  # the misspelt key is not read
+    (record,) = caplog.records
+    assert "unknown environment variables ignored: SLUICE_API_KEYS" in record.getMessage()
 
 
 def test_a_port_it_cannot_listen_on_is_one_line_before_the_model_loads() -> None:
