@@ -4,7 +4,9 @@ first blocks' pages fault in while it still builds the tokenizer; the model runn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,7 @@ class KVPool:
     @classmethod
     def allocate(cls, backend: StepBackend, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVPool:
         shape = layer_shape(backend, num_blocks, block_size)
+        check_fits_in_memory(2 * backend.num_layers * math.prod(shape) * dtype.itemsize, num_blocks, block_size)
         k = [huge_pages.zeros(shape, dtype) for _ in range(backend.num_layers)]
         v = [huge_pages.zeros(shape, dtype) for _ in range(backend.num_layers)]
         # The first requests' blocks (handed out from 0 up) lie in the first huge page of each run of blocks: one
@@ -32,6 +35,40 @@ class KVPool:
     def fits(self, backend: StepBackend, num_blocks: int, block_size: int, dtype: torch.dtype) -> bool:
         shape = layer_shape(backend, num_blocks, block_size)
         return len(self.k) == backend.num_layers and tuple(self.k[0].shape) == shape and self.k[0].dtype == dtype
+
+
+def check_fits_in_memory(num_bytes: int, num_blocks: int, block_size: int) -> None:
+    """A pool takes memory as its blocks fill, so one larger than the memory left would start and serve, then grow
+    into the OOM killer hours later (every never-used block is handed out before a freed one is reused): refused."""
+    available = available_memory_bytes()
+    if available is not None and num_bytes > available:
+        num_fitting = int(num_blocks * 0.9 * available / num_bytes)
+        advice = f"num_kv_blocks = {num_fitting} would fit" if num_fitting else "a smaller block_size is needed"
+        raise ValueError(
+            f"the KV pool of num_kv_blocks = {num_blocks} of block_size = {block_size} tokens needs "
+            f"{num_bytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available: {advice}"
+        )
+
+
+def available_memory_bytes() -> int | None:
+    """What the kernel says this process may still take (Linux: MemAvailable, within a cgroup's limit); None
+    elsewhere."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
+    if "MemAvailable" not in fields:
+        return None
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    try:  # cgroup v2: a container's limit, less what it uses
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def layer_shape(backend: StepBackend, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

@@ -149,6 +149,14 @@ def test_a_misspelt_environment_variable_is_named_in_a_warning(caplog: pytest.Lo
     assert "unknown environment variables ignored: SLUICE_API_KEYS" in record.getMessage()
 
 
+def test_a_kv_pool_larger_than_the_memory_left_is_refused_at_start() -> None:
+    """Blocks take memory as they fill: such a pool would serve for hours, then meet the OOM killer."""
+    done = sluice("serve", "--port", "0", "--num-kv-blocks", "100000000")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "the KV pool of num_kv_blocks = 100000000 of block_size = 16 tokens needs" in done.stderr
+    assert "GiB of memory available: num_kv_blocks = " in done.stderr
+
+
 def test_a_port_it_cannot_listen_on_is_one_line_before_the_model_loads() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
