@@ -119,6 +119,8 @@ class EngineStats:
     prefix_cache_hit_rate: float
     speculation: Mapping[str, ProposerCounts] | None = None  # proposer -> its counters (engine/speculative/)
     num_preemptions: int = 0  # sequences preempted since start (their blocks freed, recomputed later)
+    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache since start
+    num_prefix_hits: int = 0  # of which found
 
 
 class AsyncEngine:
@@ -188,6 +190,8 @@ class AsyncEngine:
             prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
             speculation=engine.speculation_stats.by_proposer,
             num_preemptions=engine.num_preemptions,
+            num_prefix_queries=engine.block_manager.num_prefix_queries,
+            num_prefix_hits=engine.block_manager.num_prefix_hits,
         )
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:

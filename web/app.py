@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quart import Quart
+from quart import Quart, Response, request
 
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
@@ -28,8 +28,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
     app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes, config.body_timeout)  # type: ignore[method-assign]
     if config.cors_origin_list:  # outermost: preflights are answered before anything else, every response marked
         app.asgi_app = CORS(app.asgi_app, config.cors_origin_list)  # type: ignore[method-assign]
-    app.extensions["sluice"] = Services(engine, config)
+    app.extensions["sluice"] = services = Services(engine, config)
     register_error_handlers(app)
+
+    @app.after_request
+    async def count_response(response: Response) -> Response:  # error handlers' answers pass here too
+        if request.path != "/metrics":  # the scrapes themselves, as vLLM's counter leaves them out
+            services.metrics.responses.labels(str(response.status_code)).inc()
+        return response
+
     install_api_keys(app, config)
     app.register_blueprint(blueprint)
     app.register_blueprint(responses_api)

@@ -40,22 +40,32 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency", "Time between tokens", LATENCY_BUCKETS)
         self.queue = histogram("queue_time", "Accepted to handed to the scheduler", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_latency", "Accepted to the terminal event", E2E_BUCKETS)
-        self.running = Gauge("sluice_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("sluice_requests_waiting", "Requests waiting in the scheduler", registry=r)
+        self.running = Gauge("sluice_requests_running", "Sequences in the running batch (a request's n choices: n)",
+                             registry=r)  # fmt: skip
+        self.waiting = Gauge("sluice_requests_waiting", "Sequences waiting in the scheduler", registry=r)
         self.pending = Gauge("sluice_requests_pending", "Requests in the admission queue", registry=r)
         self.free_blocks = Gauge("sluice_kv_blocks_free", "Free KV-cache blocks", registry=r)
-        self.hit_rate = Gauge("sluice_prefix_cache_hit_rate", "Prefix-cache hit rate", registry=r)
+        self.total_blocks = Gauge("sluice_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
+        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Share of the KV-cache blocks in use (0-1)", registry=r)
+        self.hit_rate = Gauge("sluice_prefix_cache_hit_rate", "Prefix-cache hit rate since start", registry=r)
         self.rejected = Counter("sluice_requests_rejected", "Requests answered 429 (admission queue full)", registry=r)
         self.aborted = Counter("sluice_requests_aborted", "Requests ended by abort (disconnect or drain)", registry=r)
         self.failed = Counter("sluice_requests_failed", "Requests ended by an engine error", registry=r)
-        self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length", registry=r)
+        self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length, by the last choice's "
+                                "reason", ["finished_reason"], registry=r)  # fmt: skip
+        self.responses = Counter("sluice_http_responses", "Responses of the API by status code (every 4xx and 5xx "
+                                 "with them)", ["status"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of the requests that ended", registry=r)
-        self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated for the requests that ended "
-                                         "(all choices)", registry=r)  # fmt: skip
+        self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated (all choices), counted as "
+                                         "they reach the handler", registry=r)  # fmt: skip
         self.speculation = SpeculationCollector()
         r.register(self.speculation)
         self.preemptions = ScrapedCounter("sluice_preemptions", "Sequences preempted for KV blocks (recomputed later)")
-        r.register(self.preemptions)
+        self.prefix_queries = ScrapedCounter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                             "cache")  # fmt: skip
+        self.prefix_hits = ScrapedCounter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        for collector in (self.preemptions, self.prefix_queries, self.prefix_hits):
+            r.register(collector)
         self._cluster: ClusterMetrics | None = None  # with --replicas: the replicas one by one
 
     def render(self, stats: EngineStats) -> bytes:
@@ -67,9 +77,14 @@ class ServerMetrics:
         self.waiting.set(stats.waiting)
         self.pending.set(stats.pending)
         self.free_blocks.set(stats.free_kv_blocks)
+        self.total_blocks.set(stats.total_kv_blocks)
+        used = stats.total_kv_blocks - stats.free_kv_blocks
+        self.kv_usage.set(used / stats.total_kv_blocks if stats.total_kv_blocks else 0.0)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.speculation.counts = stats.speculation or {}
         self.preemptions.value = stats.num_preemptions
+        self.prefix_queries.value = stats.num_prefix_queries
+        self.prefix_hits.value = stats.num_prefix_hits
         return generate_latest(self.registry)
 
 
@@ -105,25 +120,30 @@ class SpeculationCollector:
 
 
 class RequestTimer:
-    """Observes one request's latencies as the handler sees its deltas."""
+    """Observes one request's latencies as the handler sees its deltas: the time to its first token, and between
+    the tokens of each choice (n choices' deltas of one step are not gaps)."""
 
     def __init__(self, metrics: ServerMetrics, request: Request) -> None:
         self._metrics = metrics
         self._request = request
-        self._last_token_time: float | None = None
+        self._last_token_times: dict[int, float] = {}  # per choice index
+        self._num_tokens_counted = 0
         self._num_open = request.num_choices  # the request ends with its last choice
         self.ended = False
 
     def observe(self, output: RequestOutput) -> None:
-        now = time.perf_counter()
         if output.new_token_ids:
-            if self._last_token_time is None:
+            now = time.perf_counter()
+            last = self._last_token_times.get(output.index)
+            if not self._last_token_times:
                 self._metrics.ttft.observe(now - self._request.arrival_time)
                 if self._request.admitted_time is not None:
                     self._metrics.queue.observe(self._request.admitted_time - self._request.arrival_time)
-            else:
-                self._metrics.itl.observe(now - self._last_token_time)
-            self._last_token_time = now
+            elif last is not None:
+                self._metrics.itl.observe(now - last)
+            self._last_token_times[output.index] = now
+            self._metrics.generation_tokens.inc(len(output.new_token_ids))
+            self._num_tokens_counted += len(output.new_token_ids)
         if output.finished:
             self._num_open -= 1
             if not self._num_open or output.finish_reason is FinishReason.ERROR:
@@ -135,6 +155,12 @@ class RequestTimer:
         self.ended = True
         self._metrics.e2e.observe(time.perf_counter() - self._request.arrival_time)
         metrics = self._metrics
-        {FinishReason.ABORT: metrics.aborted, FinishReason.ERROR: metrics.failed}.get(finish_reason, metrics.finished).inc()
+        if finish_reason is FinishReason.ABORT:
+            metrics.aborted.inc()
+        elif finish_reason is FinishReason.ERROR:
+            metrics.failed.inc()
+        else:
+            metrics.finished.labels(finish_reason.value).inc()
         metrics.prompt_tokens.inc(self._request.num_prompt_tokens)
-        metrics.generation_tokens.inc(self._request.num_output_tokens)
+        # tokens made but never seen here (the client left before reading them)
+        metrics.generation_tokens.inc(max(0, self._request.num_output_tokens - self._num_tokens_counted))

@@ -382,6 +382,53 @@ def test_preemptions_are_counted_in_metrics(tiny_llama_dir) -> None:
         assert counted.value == small.engine.num_preemptions > 0
 
 
+def scrape(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, its labels sorted) -> value."""
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def test_metrics_count_answers_by_status_finishes_by_reason_and_tokens_as_they_stream(
+    http: httpx.Client, server: ThreadedServer
+) -> None:
+    before = scrape(http)
+    assert http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}).status_code == 400
+    assert http.get("/v1/nothing-here").status_code == 404
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several whole blocks: a hit the second time
+    for _ in range(2):
+        http.post("/v1/completions", json={**COMPLETION, "prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+    before_stream = scrape(http)
+    with wrapped_execute(server.engine, slowed(0.02)):
+        # n choices decode in one step: their deltas arrive together and are not gaps between tokens
+        body = {**COMPLETION, "n": 4, "max_tokens": 30, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            num_events = 0
+            while num_events < 10:
+                num_events += next(lines).startswith("data: ")
+            during = scrape(http)
+            for _ in lines:
+                pass
+    after = scrape(http)
+
+    def grew(name: str, labels: tuple = (), since: dict = before, until: dict = after) -> float:
+        return until.get((name, labels), 0.0) - since.get((name, labels), 0.0)
+
+    assert grew("sluice_http_responses_total", (("status", "400"),)) == 1
+    assert grew("sluice_http_responses_total", (("status", "404"),)) == 1
+    assert grew("sluice_http_responses_total", (("status", "200"),)) == 3  # not the scrapes
+    assert grew("sluice_requests_finished_total", (("finished_reason", "length"),)) == 3
+    assert grew("sluice_prefix_cache_hits_total") >= 48 and grew("sluice_prefix_cache_queries_total") >= 96
+    assert grew("sluice_generation_tokens_total", until=during) >= 8  # the stream's, before it ended
+    assert grew("sluice_requests_finished_total", (("finished_reason", "length"),), until=during) == 2
+    assert grew("sluice_generation_tokens_total") == 2 * 3 + 4 * 30
+    gaps = grew("sluice_inter_token_latency_seconds_count", since=before_stream)
+    fast = grew("sluice_inter_token_latency_seconds_bucket", (("le", "0.005"),), since=before_stream)
+    assert 0 < gaps <= 4 * 29 and fast == 0  # each choice's gaps: steps of at least 20 ms
+    assert after[("sluice_kv_blocks_total", ())] == server.engine.num_total_blocks
+    assert after[("sluice_kv_cache_usage_ratio", ())] == 0.0
+
+
 def test_a_completion_max_tokens_left_out_is_16_and_null_is_the_rest_of_the_context(server: ThreadedServer,
                                                                                      http: httpx.Client) -> None:
     """OpenAI's default for /v1/completions is 16; an explicit null asks for no limit (vLLM: up to the context)."""

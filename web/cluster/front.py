@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -48,6 +48,7 @@ START_TIMEOUT = 900.0  # Ray's start plus every replica's model load and warm-up
 SHUTDOWN_TIMEOUT = 60.0
 REPLICA_FAILED = "the replica serving this request failed"
 NO_REPLICA_READY = "no replica is ready (they are restarting)"
+COUNTERS = ("num_preemptions", "num_prefix_queries", "num_prefix_hits")  # ReplicaStats' that only go up
 REPLICA_FULL = "the replica chosen for this request was full (other fronts share it): retry"
 
 
@@ -61,14 +62,14 @@ class ReplicaSlot:
     is_ready: bool = False
     num_in_flight: int = 0  # requests this front has sent there and not yet ended
     num_restarts: int = 0
-    num_earlier_preemptions: int = 0  # those of the slot's replaced replicas: the counter never goes down
+    earlier: dict[str, int] = field(default_factory=dict)  # COUNTERS of the slot's replaced replicas: never down
     failed_at: float | None = None  # monotonic time of the last failure seen in one of its streams
     is_answering: bool = False  # its last report came, and no stream failed since
     listener: anyio.CancelScope | None = None  # the reader of its outputs() stream, while one runs
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.num_earlier_preemptions + (self.stats.num_preemptions if self.stats is not None else 0)
+    def count(self, counter: str) -> int:
+        """One of COUNTERS over every replica the slot has had."""
+        return self.earlier.get(counter, 0) + (getattr(self.stats, counter) if self.stats is not None else 0)
 
     @property
     def load(self) -> int:
@@ -196,7 +197,10 @@ class ClusterEngine:
             free_kv_blocks=sum(r.free_kv_blocks for r in reported),
             total_kv_blocks=sum(r.total_kv_blocks for r in reported),
             prefix_cache_hit_rate=sum(r.num_prefix_hits for r in reported) / queries if queries else 0.0,
-            num_preemptions=sum(s.num_preemptions for s in self._slots),  # the replaced and the unready too
+            # counters: the replaced and the unready replicas' too
+            num_preemptions=sum(s.count("num_preemptions") for s in self._slots),
+            num_prefix_queries=sum(s.count("num_prefix_queries") for s in self._slots),
+            num_prefix_hits=sum(s.count("num_prefix_hits") for s in self._slots),
             num_ready=sum(s.is_ready for s in self._slots),
             routing=self.config.cluster.routing,
             decisions=dict(router.decisions) if router is not None else {},
@@ -315,7 +319,7 @@ class ClusterEngine:
             return  # a stream failed while this report travelled: wait for a report from after the failure
         if slot.stats is not None and stats.pid != slot.stats.pid:
             slot.num_restarts += 1
-            slot.num_earlier_preemptions += slot.stats.num_preemptions
+            slot.earlier = {counter: slot.count(counter) for counter in COUNTERS}
             if self._router is not None:
                 self._router.memory.forget(slot.index)
             logger.info("replica %d restarted (pid %d -> %d)", slot.index, slot.stats.pid, stats.pid)
