@@ -48,7 +48,9 @@ from engine.config import SluiceConfig, load_config
 from web.memory import limit_arenas, trim_while_idle
 
 logger = logging.getLogger("sluice.server")
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: a closed terminal or ssh session, or a process manager's reload, would otherwise kill the process
+# mid-stream (no final event, no [DONE]).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # The forward-pass thread holds the GIL between torch calls; the default 5 ms switch interval lets it keep
 # the event loop waiting that long each time. Handlers and /health need it back sooner.
 GIL_SWITCH_INTERVAL = 0.0005

@@ -181,7 +181,8 @@ def test_engine_loop_crash_errors_every_stream_and_stops_the_server(tiny_llama_d
         assert server.stop() == 1  # serve() reports the crash: `python -m web.server` exits 1
 
 
-def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: a closed terminal, a reload
+def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir, signum: signal.Signals) -> None:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     process = server_subprocess(
@@ -209,7 +210,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir) -> Non
             futures = [pool.submit(stream, i) for i in range(6)]
             for event in first_events:
                 assert event.wait(60)
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signum)
             wait_until(lambda: health(base_url)[1].get("state") != "ready", timeout=10)
             late = http.post("/v1/completions", json=SHORT)
             assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
