@@ -88,6 +88,7 @@ class ServerConfig:
     step_timeout: float = 120.0
     client_read_timeout: float = 30.0
     log_level: str = "info"
+    access_log: bool = True
     api_key: str = field(default="", repr=False)  # "" = open; else keys separated by commas
     metrics_need_key: bool = True  # with keys set, /metrics needs one too
     cors_origins: str = ""  # "" = no cross-origin access; "*" or origins separated by commas

@@ -6,6 +6,7 @@ the host's exit code (0 after a drain, 1 after an engine failure or an abandoned
 from __future__ import annotations
 
 import argparse
+import logging
 import ipaddress
 import socket
 import sys
@@ -37,7 +38,7 @@ def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_
     # The drain happens in the application before Hypercorn is told to stop: its grace period is a backstop.
     config.graceful_timeout = server.graceful_timeout
     config.backlog = server.backlog
-    config.accesslog = None
+    config.accesslog = logging.getLogger("sluice.access") if server.access_log else None
     config.errorlog = logger
     create_sockets = config.create_sockets
 

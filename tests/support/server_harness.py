@@ -158,7 +158,8 @@ def llm_engine_loader(config: EngineConfig) -> Callable[[], Any]:
 
 
 def server_subprocess(args: list[str], env_overrides: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, **(env_overrides or {})}
+    # No access log: its line per /health poll would fill the pipe no one reads until a failure, and block the server.
+    env = {**os.environ, "SLUICE_ACCESS_LOG": "false", **(env_overrides or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "web.server", *args],
         cwd=REPO,

@@ -228,11 +228,12 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SLUICE_SERVED_MODEL_NAME": "from-env", "SLUICE_CORS_ORIGINS": "*",
            "SLUICE_PORT": "1"}  # fmt: skip
     command = [sys.executable, "-m", "web.cli", "serve", "--config", str(config_file), "--port", str(port)]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = config_file.parent / "server.log"  # a file: the access log's lines would fill a pipe no one reads
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
-        assert process.poll() is None, process.stderr.read().decode()[-3000:] if process.stderr else ""
+        assert process.poll() is None, log.read_text()[-3000:]
         try:
             return httpx.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -244,6 +245,14 @@ def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
+
+
+def test_serve_logs_a_line_per_request(served: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The access log is on by default, as under `hypercorn -c web/hypercorn.toml` (and vLLM's uvicorn)."""
+    assert httpx.post(f"{served}/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404
+    log = next(tmp_path_factory.getbasetemp().glob("cli*/server.log"))
+    wait_until(lambda: '"POST /v1/completions 1.1" 404' in log.read_text(), timeout=10)
+    assert "sluice.access" in log.read_text()
 
 
 def test_serve_takes_the_file_then_the_environment_then_flags(served: str) -> None:
