@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.kv_pool import KVPool
 from engine.models.chat_templates import chat_format
 from engine.models.registry import model_class
-from engine.native.native_backend import NativeBackend, PackedWeights, pack_weights, unsupported_reason
+from engine.native.native_backend import NativeBackend, PackedWeights, check_shapes, pack_weights, unsupported_reason
 from engine.step_backend import StepBackend
 from engine.warm_up import warm_up
 
@@ -73,6 +73,8 @@ def _load(config: EngineConfig) -> LoadedModel:
             packing = pool.submit(pack_weights, ops, checkpoint.tensors, num_threads) if packs else None
             hf_config = checkpoint.hf_config
             model_class(hf_config)  # every architecture has an eager model (the reference): else a clear error here
+            if _is_llama_family(checkpoint):
+                check_shapes(hf_config, checkpoint.tensors)
             max_pos = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions"))
             backend = _native_backend(checkpoint, config, min(max_pos, config.max_model_len), ops, packing)
             del packing  # an unused result goes with it

@@ -3,6 +3,7 @@ opened lazily: a tensor is read when its user asks for it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
@@ -36,12 +37,18 @@ class FolderCheckpoint:
         path, tensors = self.path, {}
         files = sorted(path.glob("*.safetensors"))
         if files:
+            self._check_shards()
             for file in files:
-                with safe_open(file, framework="pt") as f:
-                    for name in f.keys():
-                        sl = f.get_slice(name)
-                        type_name = _type_name(sl.get_dtype(), name)
-                        tensors[name] = StoredTensor(tuple(sl.get_shape()), type_name, *self._readers(file, name))
+                try:
+                    with safe_open(file, framework="pt") as f:
+                        for name in f.keys():
+                            sl = f.get_slice(name)
+                            type_name = _type_name(sl.get_dtype(), name)
+                            tensors[name] = StoredTensor(tuple(sl.get_shape()), type_name, *self._readers(file, name))
+                except Exception as error:  # safetensors' own error type: a truncated or corrupt file
+                    if isinstance(error, ValueError) and str(error).startswith("weight "):
+                        raise
+                    raise ValueError(f"cannot read {file}: {error} (a truncated or corrupt file?)") from error
             return tensors
         bins = sorted(path.glob("pytorch_model*.bin"))
         if not bins:
@@ -50,6 +57,21 @@ class FolderCheckpoint:
             for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items():
                 tensors[name] = StoredTensor(tuple(tensor.shape), _type_name(tensor.dtype, name), lambda t=tensor: t)
         return tensors
+
+    def _check_shards(self) -> None:
+        """A sharded checkpoint's index names its files: one missing (an interrupted download) is named, not met
+        later as a weight that is not there."""
+        index = self.path / "model.safetensors.index.json"
+        if not index.is_file():
+            return
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"cannot read {index}: {error!r}") from error
+        missing = sorted(shard for shard in shards if not (self.path / shard).is_file())
+        if missing:
+            raise ValueError(f"{self.path} lacks {len(missing)} of the {len(shards)} weight files its index names: "
+                             f"{missing} (an interrupted download?)")  # fmt: skip
 
     @staticmethod
     def _readers(file: Path, name: str) -> tuple[Callable[[], torch.Tensor], None, Callable[[int, int], torch.Tensor]]:
@@ -73,7 +95,10 @@ class FolderCheckpoint:
     def hf_config(self) -> Any:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path)
+        try:
+            return AutoConfig.from_pretrained(self.path)
+        except (OSError, ValueError) as error:  # a truncated config.json, an unknown model_type
+            raise ValueError(f"cannot read {self.path / 'config.json'}: {error}") from error
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer

@@ -149,7 +149,14 @@ class GGUFCheckpoint:
             self.metadata, table, self._data_start = read_header(self._file)
             self._header_cache = HeaderCache(cache_root, self._file[: self._data_start])
         except (ValueError, OSError, KeyError, struct.error) as exc:  # UnicodeDecodeError is a ValueError
-            raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
+            data = getattr(self, "_file", None)  # unset when the file could not be mapped
+            cut = "buffer" in str(exc) and data is not None and bytes(data[:4]) == b"GGUF"
+            why = "it ends inside its header (truncated: an interrupted download or copy?)" if cut else exc
+            raise ValueError(f"cannot read {path} as a GGUF file: {why}") from exc
+        num_splits = int(self.metadata.get("split.count", 1))
+        if num_splits > 1:  # llama.cpp's split files: each holds some of the tensors
+            raise ValueError(f"{path.name} is part {int(self.metadata.get('split.no', 0)) + 1} of a GGUF split in "
+                             f"{num_splits} files: merge them first (llama-gguf-split --merge FIRST OUT.gguf)")  # fmt: skip
         self.architecture: str = self.metadata["general.architecture"]
         self.arch: ArchTensors = arch_tensors(self.architecture)
         self.tensors: dict[str, StoredTensor] = {}

@@ -49,9 +49,14 @@ def served_name(model: str, cache_root: Path | None = None) -> str:
         return model
     path = model_path(model, cache_root)
     if path.is_file():
-        name = path.name.removesuffix(".gguf")
+        name = path.name[:-5] if path.name.lower().endswith(".gguf") else path.name
         return name.split(".")[0] if model == "" else name  # "SmolLM2-135M-Instruct" without ".Q4_1"
     return path.resolve().name
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def open_checkpoint(model: str, cache_root: Path | None = None) -> Checkpoint:
@@ -59,6 +64,6 @@ def open_checkpoint(model: str, cache_root: Path | None = None) -> Checkpoint:
     path = model_path(model, cache_root)
     if path.is_dir():
         return FolderCheckpoint(path)
-    if path.suffix != ".gguf":
+    if path.suffix.lower() != ".gguf" and not _starts_with_gguf_magic(path):
         raise ValueError(f"unsupported model file {path}: expected a .gguf file or a Hugging Face folder")
     return GGUFCheckpoint(path, cache_root)

@@ -308,6 +308,9 @@ def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor], num_threa
     """Every linear of a Llama-family checkpoint (its Hugging Face names) in its layout, the layers on num_threads
     threads (the packers release the GIL; most of a first load's time is the kernel faulting in fresh pages,
     which threads share out); each stored tensor is released once packed."""
+    missing = [n for n in weight_names(num_layers_of(tensors)) if n not in tensors]
+    if missing:  # a partial download, one part of a split GGUF: named here, not met as a KeyError while packing
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     plan = PackPlan()
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="sluice-pack") as pool:
         prefixes = [f"model.layers.{i}." for i in range(num_layers_of(tensors))]
@@ -315,6 +318,39 @@ def pack_weights(ops: ModuleType, tensors: Mapping[str, StoredTensor], num_threa
         embed = _q8_matrix(ops, tensors["model.embed_tokens.weight"], plan)
         head = embed if "lm_head.weight" not in tensors else _q8_matrix(ops, tensors["lm_head.weight"], plan)
         return PackedWeights(embed, head, list(layers), plan)
+
+
+LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def weight_names(num_layers: int) -> list[str]:
+    """The weights the native step multiplies (lm_head aside: tied where absent)."""
+    layers = [f"model.layers.{i}.{n}.weight" for i in range(num_layers) for n in LINEAR_NAMES]
+    return ["model.embed_tokens.weight", *layers]
+
+
+def check_shapes(cfg: Any, tensors: Mapping[str, StoredTensor]) -> None:
+    """Each linear's (rows, columns) against the config's sizes: a file whose metadata and tensors disagree is named
+    here, not met as a packing error or a failed copy."""
+    heads, kv_heads, head_dim = _attn_sizes(cfg)
+    hidden, ffn = int(cfg.hidden_size), int(cfg.intermediate_size)
+    expected = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+                "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+                "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}  # fmt: skip
+    wrong = []
+    for i in range(int(cfg.num_hidden_layers)):
+        for name, shape in expected.items():
+            tensor = tensors.get(f"model.layers.{i}.{name}.weight")
+            if tensor is not None and tuple(tensor.shape) != shape:
+                wrong.append(f"model.layers.{i}.{name}.weight is {tuple(tensor.shape)}, the config makes it {shape}")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensor = tensors.get(name)
+        if tensor is not None and tuple(tensor.shape) != (int(cfg.vocab_size), hidden):
+            wrong.append(f"{name} is {tuple(tensor.shape)}, the config makes it {(int(cfg.vocab_size), hidden)}")
+    if wrong:
+        raise ValueError(f"the weights do not match the model's config: {'; '.join(wrong[:3])}"
+                         f"{f' (and {len(wrong) - 3} more)' if len(wrong) > 3 else ''}")  # fmt: skip
 
 
 def _layer_linears(ops: ModuleType, tensors: Mapping[str, StoredTensor], prefix: str, plan: PackPlan) -> LayerLinears:

@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.models.packaged import gemma3_270m_gguf
 from engine.native import native_ops
+from engine.native.native_backend import check_shapes, pack_weights
 
 from tests.support.engine_helpers import hf_model
 
@@ -155,6 +156,47 @@ def test_a_truncated_file_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
     cut.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(ValueError, match="cut.gguf is truncated: tensor '.+' ends at byte"):
         open_checkpoint(str(cut))
+
+
+def test_a_file_cut_inside_its_header_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
+    for num_bytes in (4, 2000):
+        cut = tmp_path / f"cut{num_bytes}.gguf"
+        cut.write_bytes(mixed_gguf.read_bytes()[:num_bytes])
+        with pytest.raises(ValueError, match="it ends inside its header \\(truncated"):
+            open_checkpoint(str(cut))
+
+
+def test_a_split_gguf_is_named_and_a_gguf_by_any_name_opens(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "m.gguf", {"layers": "Q8_0"}, hidden=64, intermediate=128, num_layers=1)
+    upper = tmp_path / "M.GGUF"
+    upper.write_bytes(path.read_bytes())  # llama.cpp opens a file by its magic bytes, not its name
+    assert open_checkpoint(str(upper)).architecture == "llama"
+    (tmp_path / "weights.bin").write_bytes(b"PK\x03\x04")  # neither the name nor the magic of a GGUF
+    with pytest.raises(ValueError, match="unsupported model file"):
+        open_checkpoint(str(tmp_path / "weights.bin"))
+    split = tmp_path / "m-00001-of-00002.gguf"
+    writer = GGUFWriter(str(split), "llama")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="part 1 of a GGUF split in 2 files: merge them first"):
+        open_checkpoint(str(split))
+
+
+def test_weights_that_disagree_with_the_metadata_or_are_missing_are_named(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "m.gguf", {"layers": "Q8_0"}, hidden=64, intermediate=128, num_layers=1)
+    checkpoint = open_checkpoint(str(path))
+    checkpoint.metadata["llama.feed_forward_length"] = 256  # what a file whose header lies says
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight is \(128, 64\), the config makes it \(256, 64\)"):
+        check_shapes(checkpoint.hf_config, checkpoint.tensors)
+    ops = native_ops()
+    del checkpoint.tensors["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"checkpoint is missing weights: \['model.layers.0.mlp.down_proj.weight'\]"):
+        pack_weights(ops, checkpoint.tensors)
 
 
 @pytest.mark.parametrize("which", ["default", "gemma3"])

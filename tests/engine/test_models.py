@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,25 @@ def test_unknown_path_and_architecture(tmp_path: Path) -> None:
     (tmp_path / "weird" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
     with pytest.raises(ValueError, match="BertModel"):
         load_model(EngineConfig(model=str(tmp_path / "weird")))
+
+
+def test_a_broken_folder_is_named_in_one_line(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """An interrupted download or a corrupt file: a ValueError that says which file, not a KeyError or
+    safetensors' own error from deep in the load."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"lacks 1 of the 2 weight files its index names: \['model-00002-of"):
+        load_model(EngineConfig(model=str(folder)))
+    (folder / "model.safetensors.index.json").unlink()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors: .*truncated or corrupt"):
+        load_model(EngineConfig(model=str(folder)))
+    (folder / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(ValueError, match="cannot read .*config.json"):
+        load_model(EngineConfig(model=str(folder)))
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 96), (24, 64)])
