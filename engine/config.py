@@ -15,6 +15,7 @@ from engine.speculative.speculator import SpeculativeConfig
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
 PRECISIONS = ("exact", "int8")
+QUANTIZE_MODES = ("auto", "none", "requantize")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SLUICE_* names read outside the config's keys: the config file, the native step's kernel variant and switch.
 OTHER_ENV_NAMES = ("SLUICE_CONFIG", "SLUICE_ISA", "SLUICE_NATIVE")
@@ -34,7 +35,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
-    quantize: str = "auto"  # "auto" | "none": the native step / weight-only quantised kernels, or dense only
+    quantize: str = "auto"  # "auto": the native step / weight-only quantised kernels; "none": dense only;
+    # "requantize": auto, and a quantised type with no kernel of its own re-quantised onto Q4 (refused by auto)
     precision: str = "int8"  # the native step's activations: "int8" (llama.cpp's Q8 steps) | "exact" (int16 steps)
     speculative: str = "off"  # "auto" | "on" | "off": draft-free speculative decoding (engine/speculative/)
     speculative_k: int = 8  # most draft tokens verified per sequence per step
@@ -51,8 +53,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        if self.quantize not in ("auto", "none"):
-            raise ValueError(f"quantize must be 'auto' or 'none', got {self.quantize!r}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         self.speculative_config  # checks the speculative_* keys

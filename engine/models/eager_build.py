@@ -35,7 +35,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build_eager(checkpoint: Any, config: EngineConfig, dtype: torch.dtype) -> EagerBackend:
     """`checkpoint`: an engine.checkpoint GGUFCheckpoint or FolderCheckpoint (hf_config, tensors, path)."""
     cls = model_class(checkpoint.hf_config)
-    quantize = config.quantize == "auto" and dtype == torch.bfloat16
+    quantize = config.quantize != "none" and dtype == torch.bfloat16
     quant_file = _quant_cache_file(checkpoint.path, dtype, config.cache_path) if quantize else None
     # quantising reads the checkpoint's own (float32) values; otherwise build in dtype and cast while loading
     exact = quantize and not (quant_file and quant_file.is_file())

@@ -104,7 +104,7 @@ def test_the_log_names_each_type_and_how_it_runs(mixed_gguf: Path, caplog) -> No
     for type_name in ("Q4_K", "Q4_0", "Q4_1", "Q5_K", "Q6_K", "Q8_0"):  # the layers' and the embedding's types
         assert any(type_name in m and "own grid" in m for m in messages), type_name
     # the Q6_K head's scales (one per 16) do not fit the head's Q8 layout (one float16 per 32)
-    assert any("Q6_K" in m and "re-quantised onto Q8 " in m for m in messages)
+    assert "native step: the embedding / lm_head's Q6_K tensors are re-quantised onto Q8" in messages
 
 
 def test_q5_files_load_and_run(tmp_path: Path) -> None:
@@ -156,6 +156,18 @@ def test_a_truncated_file_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
     cut.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(ValueError, match="cut.gguf is truncated: tensor '.+' ends at byte"):
         open_checkpoint(str(cut))
+
+
+def test_a_layer_type_without_a_kernel_is_refused_unless_asked_to_requantize(tmp_path: Path, caplog) -> None:
+    """A second rounding of the file's weights onto Q4 makes greedy tokens drift from the file's: by request only."""
+    path = write_llama_gguf(tmp_path / "tq.gguf", {"layers": "TQ1_0", "token_embd": "Q8_0"}, num_layers=1)
+    with pytest.raises(ValueError, match=r'TQ1_0 weights have no native kernel .* quantize = "none" .* "requantize"'):
+        load_model(EngineConfig(model=str(path), num_kv_blocks=16))
+    with caplog.at_level(logging.INFO):
+        loaded = load_model(EngineConfig(model=str(path), num_kv_blocks=16, quantize="requantize"))
+    assert loaded.backend.name == "native"
+    assert any("TQ1_0 tensors are re-quantised onto Q4" in r.getMessage() for r in caplog.records)
+    assert load_model(EngineConfig(model=str(path), num_kv_blocks=16, quantize="none")).backend.name == "eager"
 
 
 def test_a_file_cut_inside_its_header_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
