@@ -99,7 +99,10 @@ async def model(model_id: str) -> Response:
 
 
 def model_card(s: Services, model_id: str | None = None) -> dict[str, Any]:
-    return {"id": model_id or s.model_name, "object": "model", "created": s.created, "owned_by": "sluice"}
+    """OpenAI's fields, and vLLM's max_model_len (what clients size prompts by), root and parent."""
+    name = model_id or s.model_name
+    return {"id": name, "object": "model", "created": s.created, "owned_by": "sluice", "root": s.model_name,
+            "parent": None, "max_model_len": s.engine.max_model_len}  # fmt: skip
 
 
 @blueprint.get("/health")

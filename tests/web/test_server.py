@@ -197,9 +197,10 @@ def test_logprobs_shapes(http: httpx.Client) -> None:
     assert [e["token"] for e in entries] == [e["token"] for e in content]
 
 
-def test_models_and_health(http: httpx.Client) -> None:
+def test_models_and_health(http: httpx.Client, server: ThreadedServer) -> None:
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == server.engine.max_model_len and models["data"][0]["root"] == MODEL
     assert time.time() - 3600 < models["data"][0]["created"] <= time.time()  # when the server started
     health = http.get("/health")
     assert health.status_code == 200
