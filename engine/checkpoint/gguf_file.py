@@ -159,6 +159,7 @@ class GGUFCheckpoint:
                              f"{num_splits} files: merge them first (llama-gguf-split --merge FIRST OUT.gguf)")  # fmt: skip
         self.architecture: str = self.metadata["general.architecture"]
         self.arch: ArchTensors = arch_tensors(self.architecture)
+        self._check_tokenizer_fields()  # before any weight is packed: the tokenizer is built last
         self.tensors: dict[str, StoredTensor] = {}
         unknown = []
         for info in table:
@@ -214,6 +215,14 @@ class GGUFCheckpoint:
 
     def tokenizer(self) -> Any:
         return self._header_cache.tokenizer(self._converted_tokenizer)
+
+    def _check_tokenizer_fields(self) -> None:
+        model = self.metadata.get("tokenizer.ggml.model")
+        if model is None or "tokenizer.ggml.tokens" not in self.metadata:
+            raise ValueError(f"{self.path.name} holds no tokenizer (its metadata has no tokenizer.ggml.model and "
+                             "tokens): Sluice takes a GGUF's tokenizer from the file")  # fmt: skip
+        if model == "gpt2" and "tokenizer.ggml.merges" not in self.metadata:  # BPE: transformers would ask for scores
+            raise ValueError(f"{self.path.name}: its 'gpt2' tokenizer needs tokenizer.ggml.merges, which the file lacks")
 
     def _converted_tokenizer(self) -> tuple[Any, dict[str, Any]]:
         """transformers' GGUF tokenizer conversion, called directly: AutoTokenizer's GGUF path would also rebuild

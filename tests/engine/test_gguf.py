@@ -141,8 +141,17 @@ def test_files_sluice_cannot_run_get_errors_that_name_why(tmp_path: Path) -> Non
 def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_path: Path) -> None:
     no_merges = write_llama_gguf(tmp_path / "no-merges.gguf", {"layers": "Q8_0"}, hidden=64, intermediate=128,
                                  num_layers=1, with_merges=False)  # fmt: skip
-    with pytest.raises(ValueError, match=r"needs tokenizer.ggml.(merges|scores), which the file lacks"):
-        open_checkpoint(str(no_merges)).tokenizer()
+    with pytest.raises(ValueError, match=r"needs tokenizer.ggml.merges, which the file lacks"):
+        open_checkpoint(str(no_merges))  # said when the file is opened: before its weights are packed
+    no_tokenizer = tmp_path / "no-tokenizer.gguf"
+    writer = GGUFWriter(str(no_tokenizer), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="no-tokenizer.gguf holds no tokenizer"):
+        open_checkpoint(str(no_tokenizer))
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     with pytest.raises(ValueError, match="cannot assemble Gemma 3 270M in the cache_dir"):
