@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.checkpoint.stored_tensor import StoredTensor
 
@@ -45,9 +45,7 @@ class FolderCheckpoint:
                             sl = f.get_slice(name)
                             type_name = _type_name(sl.get_dtype(), name)
                             tensors[name] = StoredTensor(tuple(sl.get_shape()), type_name, *self._readers(file, name))
-                except Exception as error:  # safetensors' own error type: a truncated or corrupt file
-                    if isinstance(error, ValueError) and str(error).startswith("weight "):
-                        raise
+                except (SafetensorError, OSError) as error:
                     raise ValueError(f"cannot read {file}: {error} (a truncated or corrupt file?)") from error
             return tensors
         bins = sorted(path.glob("pytorch_model*.bin"))
