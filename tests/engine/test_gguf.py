@@ -122,18 +122,25 @@ def test_the_config_comes_from_the_metadata(mixed_gguf: Path) -> None:
     assert checkpoint.tokenizer().chat_template
 
 
-def test_files_sluice_cannot_run_get_errors_that_name_why(tmp_path: Path) -> None:
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(ValueError, match="GGUF"):
-        load_model(EngineConfig(model=str(junk)))
-    falcon = tmp_path / "falcon.gguf"
-    writer = GGUFWriter(str(falcon), "falcon")
+def one_tensor_gguf(path: Path, architecture: str, fields: dict[str, int] | None = None) -> Path:
+    """A GGUF of one float tensor and no tokenizer, with these integer metadata fields."""
+    writer = GGUFWriter(str(path), architecture)
+    for key, value in (fields or {}).items():
+        writer.add_uint16(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_files_sluice_cannot_run_get_errors_that_name_why(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(EngineConfig(model=str(junk)))
+    falcon = one_tensor_gguf(tmp_path / "falcon.gguf", "falcon")
     with pytest.raises(ValueError, match="falcon"):
         load_model(EngineConfig(model=str(falcon)))
 
@@ -143,13 +150,7 @@ def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_
                                  num_layers=1, with_merges=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"needs tokenizer.ggml.merges, which the file lacks"):
         open_checkpoint(str(no_merges))  # said when the file is opened: before its weights are packed
-    no_tokenizer = tmp_path / "no-tokenizer.gguf"
-    writer = GGUFWriter(str(no_tokenizer), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    no_tokenizer = one_tensor_gguf(tmp_path / "no-tokenizer.gguf", "llama")
     with pytest.raises(ValueError, match="no-tokenizer.gguf holds no tokenizer"):
         open_checkpoint(str(no_tokenizer))
     not_a_folder = tmp_path / "file"
@@ -195,15 +196,7 @@ def test_a_split_gguf_is_named_and_a_gguf_by_any_name_opens(tmp_path: Path) -> N
     (tmp_path / "weights.bin").write_bytes(b"PK\x03\x04")  # neither the name nor the magic of a GGUF
     with pytest.raises(ValueError, match="unsupported model file"):
         open_checkpoint(str(tmp_path / "weights.bin"))
-    split = tmp_path / "m-00001-of-00002.gguf"
-    writer = GGUFWriter(str(split), "llama")
-    writer.add_uint16("split.no", 0)
-    writer.add_uint16("split.count", 2)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    split = one_tensor_gguf(tmp_path / "m-00001-of-00002.gguf", "llama", {"split.no": 0, "split.count": 2})
     with pytest.raises(ValueError, match="part 1 of a GGUF split in 2 files: merge them first"):
         open_checkpoint(str(split))
 
