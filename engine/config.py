@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from engine.speculative.speculator import SpeculativeConfig
 
@@ -105,8 +106,10 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be a finite number of seconds, got {value!r}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("api_key: keys are separated by single commas, with no spaces and no empty key")
-        if any(o != "*" and not o.startswith(("http://", "https://")) for o in self.cors_origin_list):
-            raise ValueError(f"cors_origins: '*' or origins such as https://example.com, got {self.cors_origins!r}")
+        for origin in self.cors_origin_list:
+            if origin != "*" and not _is_origin(origin):  # else no browser's Origin header would ever match it
+                raise ValueError(f"cors_origins: '*' or origins as browsers send them, scheme://host[:port] in lower "
+                                 f"case with no path or trailing slash (https://app.example.com), got {origin!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_pending < 1:
@@ -133,6 +136,12 @@ class ServerConfig:
     @property
     def cors_origin_list(self) -> tuple[str, ...]:
         return tuple(o.strip() for o in self.cors_origins.split(",") if o.strip())
+
+
+def _is_origin(text: str) -> bool:
+    parts = urlsplit(text)
+    return (parts.scheme in ("http", "https") and bool(parts.netloc) and text == f"{parts.scheme}://{parts.netloc}"
+            and parts.netloc == parts.netloc.lower() and "@" not in parts.netloc)  # fmt: skip
 
 
 ROUTING_POLICIES = ("affine", "round_robin", "least_loaded")

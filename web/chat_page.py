@@ -15,6 +15,7 @@ PAGE_HEADERS = {
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",  # frame-ancestors' fallback for older browsers
 }
 
 blueprint = Blueprint("chat_page", __name__, static_folder=str(STATIC_DIR), static_url_path="/static")
@@ -22,13 +23,12 @@ blueprint = Blueprint("chat_page", __name__, static_folder=str(STATIC_DIR), stat
 
 @blueprint.get("/")
 async def index() -> Response:
-    response = await send_from_directory(STATIC_DIR, "index.html")
-    response.headers.update(PAGE_HEADERS)
-    return response
+    return await send_from_directory(STATIC_DIR, "index.html")
 
 
 @blueprint.after_request
 async def revalidate(response: Response) -> Response:
-    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    # On every file: /static/index.html is the page too, and must not be framed by another site either.
+    response.headers.update(PAGE_HEADERS)
     response.headers["Cache-Control"] = "no-cache"  # revalidated (ETag) on each load: an upgrade is never stale
     return response

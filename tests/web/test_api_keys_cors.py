@@ -98,8 +98,10 @@ def test_health_and_the_chat_page_stay_open_and_metrics_need_a_key(http: httpx.C
     page = http.get("/")
     assert page.status_code == 200 and "<title>Sluice</title>" in page.text
     assert "default-src 'self'" in page.headers["content-security-policy"]
-    for asset in ("/static/chat.js", "/static/chat.css"):
-        assert http.get(asset).status_code == 200
+    for asset in ("/static/chat.js", "/static/chat.css", "/static/index.html"):  # the page by its file name too
+        answer = http.get(asset)
+        assert answer.status_code == 200 and "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+        assert answer.headers["x-frame-options"] == "DENY"
     assert http.get("/metrics").status_code == 401
     assert http.get("/metrics", headers=bearer(KEYS[1])).status_code == 200
 
@@ -139,8 +141,11 @@ def test_keys_and_origins_come_from_environment_variables() -> None:
     config = load_config(environ={"SLUICE_API_KEY": "k1,k2", "SLUICE_CORS_ORIGINS": "*"}).server
     assert config.api_keys == ("k1", "k2") and config.cors_origin_list == ("*",)
     assert "k1" not in repr(config)  # keys never reach a log through the config's repr
-    with pytest.raises(ValueError, match="cors_origins"):
-        ServerConfig(cors_origins="app.example")
+    for never_matching in ("app.example", "https://app.example.com/", "https://App.Example.org",
+                           "http://localhost:5173/chat", "https://user@app.example"):  # fmt: skip
+        with pytest.raises(ValueError, match="cors_origins: .* as browsers send them"):
+            ServerConfig(cors_origins=f"https://ok.example,{never_matching}")
+    assert ServerConfig(cors_origins="https://a.example:8443,http://[::1]:5173,*").cors_origin_list[1] == "http://[::1]:5173"
 
 
 # ---- CORS ----------------------------------------------------------------------------------------------

@@ -173,6 +173,49 @@ def test_markup_in_messages_and_model_output_stays_text(page: WebDriver) -> None
     assert page.execute_script("return window.pwned") is None
 
 
+# Records the messages of every chat request the page sends; a request whose body asks for "silence" gets a stream
+# that never sends a token (until the page aborts it), as a server busy with a long prefill would.
+RECORDING_FETCH_JS = """
+window.sentMessages = [];
+const realFetch = window.fetch;
+window.fetch = async (url, init) => {
+  if (!String(url).endsWith("/v1/chat/completions")) return realFetch(url, init);
+  const messages = JSON.parse(init.body).messages;
+  window.sentMessages.push(messages);
+  if (!messages[messages.length - 1].content.includes("silence")) return realFetch(url, init);
+  const body = new ReadableStream({start(c) { init.signal.addEventListener("abort", () =>
+    c.error(new DOMException("aborted", "AbortError"))); }});
+  return new Response(body, {status: 200, headers: {"Content-Type": "text/event-stream"}});
+};
+"""
+
+
+def test_stopped_and_abandoned_answers_keep_the_history_the_user_sees(page: WebDriver) -> None:
+    """Roles alternate after an answer stopped before its first token (Gemma's template refuses two user turns),
+    and New chat during an answer starts an empty conversation (the old answer's end must not land in it)."""
+    by_id(page, "new-chat").click()
+    set_value(page, "max-tokens", "3000")
+    page.execute_script(RECORDING_FETCH_JS)
+    silent = send(page, "silence please")
+    time.sleep(0.3)
+    by_id(page, "stop").click()
+    wait_until(lambda: silent.get_attribute("data-finish-reason") == "stopped", timeout=5)
+    set_value(page, "max-tokens", "4")
+    hello = send(page, "Hello")
+    wait_until(lambda: hello.get_attribute("data-finish-reason") is not None, timeout=30)
+    roles = [m["role"] for m in page.execute_script("return window.sentMessages")[-1] if m["role"] != "system"]
+    assert roles == ["user", "assistant", "user"]
+    set_value(page, "max-tokens", "3000")
+    long_answer = send(page, LONG_REQUEST)
+    wait_until(lambda: text_of(long_answer) != "", timeout=60, interval=0.02)
+    by_id(page, "new-chat").click()
+    set_value(page, "max-tokens", "4")
+    answer = send(page, "Hi")
+    wait_until(lambda: answer.get_attribute("data-finish-reason") is not None, timeout=30)
+    last = page.execute_script("return window.sentMessages")[-1]
+    assert [(m["role"], m["content"]) for m in last if m["role"] != "system"] == [("user", "Hi")]
+
+
 def test_narrow_window_has_no_horizontal_scroll(page: WebDriver, tmp_path: Path) -> None:
     page.set_window_size(380, 800)
     try:

@@ -6,6 +6,7 @@ const STORAGE_PREFIX = "sluice.";
 const SETTING_IDS = ["system-prompt", "temperature", "top-p", "max-tokens", "api-key"];
 const HEALTH_RETRY_MS = 1000;
 const HEALTH_AFTER_ANSWER_MS = 200;
+const HEALTH_WHILE_STREAMING_MS = 2000; // the status line follows the server (a drain, the load) during an answer
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -27,7 +28,7 @@ const ui = {
   template: $("message-template"),
 };
 
-const conversation = []; // {role, content}: what the next request sends after the system prompt
+let conversation = []; // {role, content}: what the next request sends after the system prompt
 let modelName = null;
 let isKeyRejected = false; // the server answered 401: the status line says so until a key works
 let controller = null; // the AbortController of the answer being streamed
@@ -259,18 +260,22 @@ async function streamAnswer(article, signal) {
 }
 
 async function send(text) {
-  conversation.push({ role: "user", content: text });
+  const turns = conversation; // the conversation this answer belongs to (New chat starts another)
+  turns.push({ role: "user", content: text });
   addMessage("user", "You", text).querySelector(".figures").remove();
   const article = addMessage("assistant", "Assistant", "");
   article.classList.add("streaming");
   controller = new AbortController();
   setBusy(true);
+  const watching = setInterval(refreshHealth, HEALTH_WHILE_STREAMING_MS);
   try {
     const answer = await streamAnswer(article, controller.signal);
-    // A stopped answer stays in the conversation as far as it got; a failed request leaves nothing.
-    if (answer) conversation.push({ role: "assistant", content: answer });
-    else if (article.dataset.finishReason === "error") conversation.pop();
+    // A failed request leaves nothing; any other answer stays as far as it got, an empty one too, so that the
+    // roles keep alternating (Gemma's template refuses two user turns in a row).
+    if (article.dataset.finishReason === "error") turns.pop();
+    else turns.push({ role: "assistant", content: answer });
   } finally {
+    clearInterval(watching);
     article.classList.remove("streaming");
     controller = null;
     setBusy(false);
@@ -290,7 +295,7 @@ function stop() {
 
 function newChat() {
   stop();
-  conversation.length = 0;
+  conversation = []; // an answer still ending adds its turns to the old one, not to this
   for (const article of ui.conversation.querySelectorAll(".message")) article.remove();
   ui.empty.hidden = false;
   ui.prompt.focus();
