@@ -118,9 +118,11 @@ class SluiceASGI:
         # anyio.run did not start, as Hypercorn's): it sets this event, and a task waiting on it drains.
         self._signalled = anyio.Event()
         tg.start_soon(self._drain_on_stop, self._signalled)
+        handlers = getattr(loop, "_signal_handlers", {})
         for signum in SIGNALS:
-            # Hypercorn's handler, when it runs in this process (asyncio keeps one handler per signal).
-            previous: asyncio.Handle | None = getattr(loop, "_signal_handlers", {}).get(signum)
+            # Hypercorn's handler, when it runs in this process (asyncio keeps one handler per signal). It has none
+            # for SIGHUP: after that drain, its SIGTERM handler stops it.
+            previous: asyncio.Handle | None = handlers.get(signum) or handlers.get(signal.SIGTERM)
             loop.add_signal_handler(signum, self._on_signal, signum, previous)
 
     def _on_signal(self, signum: int, previous: asyncio.Handle | None) -> None:
