@@ -75,11 +75,15 @@ def start_local_ray() -> None:
                            LOCAL_START_ATTEMPTS)  # fmt: skip
 
 
-def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | None = None) -> LaunchedCluster:
-    """on_ray_started: called once ray.init returns, before the seconds Serve takes to start (ray.init installs a
-    native SIGTERM handler that the server takes back)."""
+def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | None = None,
+                    before_ray_start: Callable[[], None] | None = None) -> LaunchedCluster:  # fmt: skip
+    """before_ray_start: called before a local Ray's processes are started (they inherit what this process
+    ignores); on_ray_started: called once ray.init returns, before the seconds Serve takes to start (ray.init
+    installs a native SIGTERM handler that the server takes back)."""
     cluster = config.cluster
     started_ray = False
+    if before_ray_start is not None and not cluster.ray_address and not ray.is_initialized():
+        before_ray_start()
     if not ray.is_initialized():
         if cluster.ray_address:
             ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
