@@ -1,14 +1,19 @@
-"""A replicas front told to stop while Ray Serve starts: after its own module's cluster has gone (a Ray of its own)."""
+"""A replicas front told to stop while Ray Serve starts, and by a hangup of its whole process group: after the
+cluster module's server has gone (a Ray of its own each)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.support.cluster_server import START_TIMEOUT, ClusterServer
-from tests.support.server_harness import wait_until
+from tests.support.cluster_server import MODEL, START_TIMEOUT, ClusterServer
+from tests.support.server_harness import parse_sse, wait_until
 
 pytest.importorskip("ray", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -23,5 +28,33 @@ def test_a_sigterm_while_serve_starts_drains_and_exits_0(tiny_llama_dir: Path, t
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(120) == 0, server.log_text()[-3000:]
         assert "SIGTERM received at time" not in server.log_text()
+    finally:
+        server.close()
+
+
+def test_a_hangup_of_the_terminals_process_group_drains_the_replicas(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A closed terminal signals its whole process group, Ray's GCS and raylet with the front: they start with
+    SIGHUP ignored, so the front drains the streams on the replicas (they were killed under it: the streams stalled
+    until drain_timeout, then the front exited 1 for want of its GCS)."""
+    server = ClusterServer(tiny_llama_dir, tmp_path / "server.log")
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    def stream(client: httpx.Client) -> list:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            return parse_sse(response.iter_lines())[0]
+
+    try:
+        server.wait_ready()
+        with httpx.Client(base_url=server.base_url, timeout=120) as client, ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(stream, client) for _ in range(2)]
+            wait_until(lambda: sum(r["in_flight"] for r in server.replicas()) == 2, timeout=30, interval=0.02)
+            os.killpg(server.process.pid, signal.SIGHUP)
+            signalled = time.monotonic()
+            results = [f.result(timeout=120) for f in futures]
+        assert server.process.wait(120) == 0, server.log_text()[-3000:]
+        # Ray's processes killed under the front: Serve's controller could not be shut down (30 s of waiting)
+        assert "failed to shut down" not in server.log_text() and time.monotonic() - signalled < 25
+        for events in results:
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     finally:
         server.close()
