@@ -1,4 +1,5 @@
-"""The one error type for bad requests: a ValueError that names the parameter at fault."""
+"""The one error type for bad requests (a ValueError that names the parameter at fault), and what a failed load's
+exceptions say when they are the loader's refusals."""
 
 from __future__ import annotations
 
@@ -12,3 +13,13 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+def load_refusals(error: BaseException) -> list[str] | None:
+    """The messages of a load that failed only with ValueErrors (the loader's refusals: a truncated file, an
+    unsupported architecture or type, a KV pool larger than memory), through task groups; None for any other
+    failure."""
+    if isinstance(error, BaseExceptionGroup):
+        found = [load_refusals(e) for e in error.exceptions]
+        return None if any(f is None for f in found) else [m for f in found for m in f]  # type: ignore[union-attr]
+    return [str(error)] if isinstance(error, ValueError) else None

@@ -37,16 +37,28 @@ class KVPool:
         return len(self.k) == backend.num_layers and tuple(self.k[0].shape) == shape and self.k[0].dtype == dtype
 
 
+_memory_share = [1.0]  # of the available memory this process's pool may take
+
+
+def share_memory(num_pools: int) -> None:
+    """This process's pool is one of num_pools on this machine (engine replicas): each may take that share of the
+    memory available, since each checks alone and an untouched pool holds none of it yet."""
+    _memory_share[0] = 1.0 / num_pools
+
+
 def check_fits_in_memory(num_bytes: int, num_blocks: int, block_size: int) -> None:
     """A pool takes memory as its blocks fill, so one larger than the memory left would start and serve, then grow
     into the OOM killer hours later (every never-used block is handed out before a freed one is reused): refused."""
     available = available_memory_bytes()
+    if available is not None:
+        available = int(available * _memory_share[0])
     if available is not None and num_bytes > available:
         num_fitting = int(num_blocks * 0.9 * available / num_bytes)
         advice = f"num_kv_blocks = {num_fitting} would fit" if num_fitting else "a smaller block_size is needed"
         raise ValueError(
             f"the KV pool of num_kv_blocks = {num_blocks} of block_size = {block_size} tokens needs "
-            f"{num_bytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available: {advice}"
+            f"{num_bytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available"
+            f"{f' to each of {round(1 / _memory_share[0])} replicas' if _memory_share[0] < 1 else ''}: {advice}"
         )
 
 

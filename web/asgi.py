@@ -44,6 +44,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from engine.async_engine import AsyncEngine, EngineState
+from engine.errors import load_refusals
 from engine.config import SluiceConfig, load_config
 from web.memory import limit_arenas, trim_while_idle
 
@@ -181,7 +182,7 @@ class SluiceASGI:
                 gc.freeze()
                 logger.info("engine ready")
         except Exception as error:
-            reasons = None if self.engine.is_loaded else _refusals(error)
+            reasons = None if self.engine.is_loaded else load_refusals(error)
             if reasons:  # a file or setting Sluice refuses: what is wrong, not a traceback (at debug level)
                 logger.error("the model did not load: %s", "; ".join(reasons))
                 logger.debug("the load's traceback", exc_info=error)
@@ -194,15 +195,6 @@ class SluiceASGI:
                 return
             logging.shutdown()
             os._exit(exit_code(self.engine))  # never a server that answers with a dead engine
-
-
-def _refusals(error: BaseException) -> list[str] | None:
-    """The messages of a load that failed only with ValueErrors (the loader's refusals: a truncated file, an
-    unsupported architecture or type), through task groups; None for any other failure."""
-    if isinstance(error, BaseExceptionGroup):
-        found = [_refusals(e) for e in error.exceptions]
-        return None if any(f is None for f in found) else [m for f in found for m in f]  # type: ignore[union-attr]
-    return [str(error)] if isinstance(error, ValueError) else None
 
 
 def exit_code(engine: AsyncEngine) -> int:

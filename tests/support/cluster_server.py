@@ -16,14 +16,14 @@ START_TIMEOUT = 600.0  # Ray's start and two model loads on a busy 2-core machin
 
 
 class ClusterServer:
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         args = ["--model", str(model_dir), "--dtype", "float32", "--quantize", "none", "--block-size", "4",
                 "--num-kv-blocks", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
                 "--num-threads", "1", "--served-model-name", MODEL, "--port", str(self.port),
-                "--max-pending", "8", "--drain-timeout", "60", "--replicas", "2"]  # fmt: skip
+                "--max-pending", "8", "--drain-timeout", "60", "--replicas", "2", *extra_args]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DISABLE_USAGE_STATS": "1"}
         self.log = open(log_path, "wb")
         # A session of its own: teardown can end the front and the Ray processes it started, by group id.

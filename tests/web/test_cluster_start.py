@@ -58,3 +58,17 @@ def test_a_hangup_of_the_terminals_process_group_drains_the_replicas(tiny_llama_
             assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     finally:
         server.close()
+
+
+def test_a_model_or_setting_a_replica_refuses_ends_the_server_with_its_reason(tiny_llama_dir: Path,
+                                                                           tmp_path: Path) -> None:  # fmt: skip
+    """As one process does: exit 1 and one line that says why, within seconds (a replica that exited on a refusal
+    was restarted by Ray Serve for minutes behind a front answering 503). The replicas of one machine share its
+    memory: each may take half of it for its KV pool."""
+    server = ClusterServer(tiny_llama_dir, tmp_path / "server.log", "--num-kv-blocks", "1000000000")
+    try:
+        assert server.process.wait(START_TIMEOUT) == 1
+        line = next(line for line in server.log_text().splitlines() if "the model did not load" in line)
+        assert "replica " in line and "of memory available to each of 2 replicas: num_kv_blocks = " in line
+    finally:
+        server.close()

@@ -228,7 +228,9 @@ class ClusterEngine:
                 self._end_everything(FinishReason.ABORT)
             with anyio.CancelScope(shield=True):
                 await self._shutdown()
-            self._state = EngineState.STOPPED
+            # A start that failed (a replica refused the model) is a dead engine: the host exits 1 with its reason.
+            is_clean = self._state in (EngineState.READY, EngineState.DRAINING) or self._stop.is_set()
+            self._state = EngineState.STOPPED if is_clean else EngineState.DEAD
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting (503), let the streams in flight on every replica finish within `timeout`, abort the

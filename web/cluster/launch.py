@@ -43,6 +43,12 @@ class LaunchedCluster:
         for i in range(len(self.handles)):
             app = status.get(f"{APP_PREFIX}{i}")
             if app is not None and app.status == "DEPLOY_FAILED":
+                # a refusal of the model or a setting (the loader's ValueError) in its own words, one line
+                messages = [app.message, *(d.message for d in app.deployments.values())]
+                lines = [line.strip() for m in messages for line in (m or "").splitlines()]
+                refusal = next((line for line in lines if line.startswith("ValueError: ")), None)
+                if refusal is not None:
+                    raise ValueError(f"replica {i}: {refusal.removeprefix('ValueError: ')}")
                 raise RuntimeError(f"replica {i} failed to start: {app.message}")
 
     def shutdown(self) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from engine.async_engine import AsyncEngine, EngineState
+from engine.errors import load_refusals
 from engine.config import SluiceConfig
 from engine.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
@@ -63,6 +64,9 @@ class ReplicaFacts:
     health_check_period_s=2.0,
     health_check_timeout_s=10.0,
     graceful_shutdown_timeout_s=5.0,
+    # A replica that cannot load (a file or setting refused) fails the same way each time: the start fails with its
+    # reason after a few tries, not Serve's default 20 (minutes of restarts behind a front answering 503).
+    max_constructor_retry_count=2,
     logging_config={"enable_access_log": False, "log_level": "WARNING"},  # no line per call of every stream
 )
 class EngineReplica:
@@ -70,7 +74,11 @@ class EngineReplica:
         # Before any compute thread exists (Linux niceness is per thread; new threads inherit it): the engine's
         # forward passes yield to a front that shares these CPUs.
         os.nice(config.cluster.replica_nice)
+        from engine.kv_pool import share_memory
         from engine.llm_engine import LLMEngine  # torch: in the replica's process only
+
+        if not config.cluster.ray_address:  # a local Ray: every replica's KV pool on this machine
+            share_memory(config.cluster.replicas)
 
         logging.basicConfig(level=config.server.log_level.upper())
         self.index = index
@@ -93,8 +101,11 @@ class EngineReplica:
             on_forward_abandoned=partial(self._exit_soon, 2.0),
         )
         self._started = asyncio.Event()
+        self._load_error: BaseException | None = None
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         await self._started.wait()  # Ray Serve counts the replica ready once its model is loaded and warm
+        if self._load_error is not None:  # a constructor that fails: Serve tries max_constructor_retry_count times
+            raise self._load_error
 
     async def _run(self) -> None:
         def started(_: object = None) -> None:
@@ -105,7 +116,12 @@ class EngineReplica:
             await self.engine.run(task_status=status)
         except asyncio.CancelledError:
             raise  # the replica is being shut down
-        except BaseException:
+        except BaseException as error:
+            if not self._started.is_set():  # the model did not load: the constructor says why
+                reasons = load_refusals(error)
+                self._load_error = ValueError("; ".join(reasons)) if reasons else error
+                self._started.set()
+                return
             logger.exception("replica %d: the engine loop ended", self.index)
         if self.engine.state in (EngineState.DEAD, EngineState.STALLED) or not self._started.is_set():
             await asyncio.sleep(FAILURE_FLUSH_SECONDS)
