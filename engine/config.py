@@ -210,9 +210,13 @@ def _check_file_types(cls: type, values: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: {f.name} expects {_TYPE_NAMES[type(f.default)]}, got {value!r}")
 
 
+_warned_env_names: set[str] = set()  # once per process, however often the config is read
+
+
 def _warn_unknown_env(environ: Any, classes: list[type]) -> None:
     known = {f"SLUICE_{f.name.upper()}" for cls in classes for f in fields(cls)} | set(OTHER_ENV_NAMES)
-    unknown = sorted(name for name in environ if name.startswith("SLUICE_") and name not in known)
+    unknown = sorted(n for n in environ if n.startswith("SLUICE_") and n not in known and n not in _warned_env_names)
+    _warned_env_names.update(unknown)
     if unknown:  # a misspelt name (SLUICE_API_KEYS) would otherwise leave its setting at the default unnoticed
         logger.warning("unknown environment variables ignored: %s (the names are SLUICE_ and a config key in "
                        "capitals, e.g. SLUICE_API_KEY)", ", ".join(unknown))  # fmt: skip

@@ -52,16 +52,20 @@ class IncrementalDetokenizer:
         self._pending.clear()
         return self._emit(self._held + piece, can_stop)
 
-    def flush(self) -> str:
+    def flush(self, is_cut: bool = True) -> str:
         """At the end: release a held partial stop match, then what the stream still holds. Bytes that make no
-        character are U+FFFD, as in a full decode; only a character that max_tokens cut off is dropped (as vLLM
-        does). Stop strings are not looked for in that last text."""
-        tail = self._held + self._unfinished_text()
+        character are U+FFFD, as in a full decode; a last character's start too, unless max_tokens cut it
+        (is_cut: then it is dropped, as vLLM does). A stop string in that text ends it there."""
+        tail = self._held + self._unfinished_text(is_cut)
         self._held, self._pending = "", []
+        match = self._find_stop(tail) if self._stop else None
+        if match is not None:
+            index, stop = match
+            tail = tail[: index + len(stop)] if self._include_stop else tail[:index]
         self.text += tail
         return tail
 
-    def _unfinished_text(self) -> str:
+    def _unfinished_text(self, is_cut: bool) -> str:
         # The pending tokens start on a character boundary (the stream emitted everything before them), unless the
         # prompt ended inside a character they never finished: their first bytes then show as U+FFFD.
         if not self._pending:
@@ -69,9 +73,9 @@ class IncrementalDetokenizer:
         data = self._pending_bytes()
         if data is None:  # a piece that does not spell its bytes: the tokenizer's own text of them, whole
             return self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
-        # One U+FFFD per run of bytes that makes no character (as a byte-level decode shows them); the decoder,
-        # never told the input is final, keeps back the start of a last character: the one max_tokens cut.
-        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data)
+        # One U+FFFD per run of bytes that makes no character (as a byte-level decode shows them); a decoder not told
+        # the input is final keeps back the start of a last character: the one max_tokens cut.
+        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=not is_cut)
 
     def _pending_bytes(self) -> bytes | None:
         skip = self._skip_special_tokens

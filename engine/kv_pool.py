@@ -37,6 +37,7 @@ class KVPool:
         return len(self.k) == backend.num_layers and tuple(self.k[0].shape) == shape and self.k[0].dtype == dtype
 
 
+MEMORY_FRACTION = 0.9  # of the memory available, the most a KV pool may take
 _memory_share = [1.0]  # of the available memory this process's pool may take
 
 
@@ -52,12 +53,13 @@ def check_fits_in_memory(num_bytes: int, num_blocks: int, block_size: int) -> No
     available = available_memory_bytes()
     if available is not None:
         available = int(available * _memory_share[0])
-    if available is not None and num_bytes > available:
-        num_fitting = int(num_blocks * 0.9 * available / num_bytes)
+    # at most 90%: the process's own memory (weights, activations, Python) grows too as the pool fills
+    if available is not None and num_bytes > MEMORY_FRACTION * available:
+        num_fitting = int(num_blocks * MEMORY_FRACTION * available / num_bytes)
         advice = f"num_kv_blocks = {num_fitting} would fit" if num_fitting else "a smaller block_size is needed"
         raise ValueError(
             f"the KV pool of num_kv_blocks = {num_blocks} of block_size = {block_size} tokens needs "
-            f"{num_bytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available"
+            f"{num_bytes / 2**30:.1f} GiB, more than 90% of the {available / 2**30:.1f} GiB of memory available"
             f"{f' to each of {round(1 / _memory_share[0])} replicas' if _memory_share[0] < 1 else ''}: {advice}"
         )
 

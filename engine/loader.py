@@ -73,6 +73,7 @@ def _load(config: EngineConfig) -> LoadedModel:
             packing = pool.submit(pack_weights, ops, checkpoint.tensors, num_threads) if packs else None
             hf_config = checkpoint.hf_config
             model_class(hf_config)  # every architecture has an eager model (the reference): else a clear error here
+            checkpoint.check_tokenizer()
             if _is_llama_family(checkpoint):
                 check_shapes(hf_config, checkpoint.tensors)
             max_pos = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions"))

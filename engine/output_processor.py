@@ -51,7 +51,7 @@ class OutputProcessor:
             out.prompt_logprobs = seq.prompt_logprobs
         if reason is not None:
             if stop_str is None:
-                out.text_delta += seq.detokenizer.flush()
+                out.text_delta += seq.detokenizer.flush(is_cut=reason is FinishReason.LENGTH)
             out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
         return out
 

@@ -45,7 +45,7 @@ class ServerMetrics:
         self.waiting = Gauge("sluice_requests_waiting", "Sequences waiting in the scheduler", registry=r)
         self.pending = Gauge("sluice_requests_pending", "Requests in the admission queue", registry=r)
         self.free_blocks = Gauge("sluice_kv_blocks_free", "Free KV-cache blocks", registry=r)
-        self.total_blocks = Gauge("sluice_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
+        self.total_blocks = Gauge("sluice_kv_pool_blocks", "KV-cache blocks in the pool", registry=r)
         self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Share of the KV-cache blocks in use (0-1)", registry=r)
         self.hit_rate = Gauge("sluice_prefix_cache_hit_rate", "Prefix-cache hit rate since start", registry=r)
         self.rejected = Counter("sluice_requests_rejected", "Requests answered 429 (admission queue full)", registry=r)

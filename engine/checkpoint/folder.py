@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from engine.checkpoint.stored_tensor import StoredTensor
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 _TYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -97,6 +98,12 @@ class FolderCheckpoint:
             return AutoConfig.from_pretrained(self.path)
         except (OSError, ValueError) as error:  # a truncated config.json, an unknown model_type
             raise ValueError(f"cannot read {self.path / 'config.json'}: {error}") from error
+
+    def check_tokenizer(self) -> None:
+        """Before any weight is packed: the tokenizer is built last."""
+        if not any((self.path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"{self.path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): Sluice takes "
+                             "a folder's tokenizer from the folder")  # fmt: skip
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer

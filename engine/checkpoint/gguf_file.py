@@ -159,7 +159,6 @@ class GGUFCheckpoint:
                              f"{num_splits} files: merge them first (llama-gguf-split --merge FIRST OUT.gguf)")  # fmt: skip
         self.architecture: str = self.metadata["general.architecture"]
         self.arch: ArchTensors = arch_tensors(self.architecture)
-        self._check_tokenizer_fields()  # before any weight is packed: the tokenizer is built last
         self.tensors: dict[str, StoredTensor] = {}
         unknown = []
         for info in table:
@@ -173,7 +172,10 @@ class GGUFCheckpoint:
                 f"{path.name}: tensors Sluice does not know for architecture {self.architecture!r}: {unknown[:5]}"
             )
         if self.arch.permuted_qk:
-            self._unpermute_qk()
+            try:
+                self._unpermute_qk()
+            except KeyError as error:
+                raise ValueError(f"{path.name}: its metadata lacks {error.args[0]}") from None
 
     def _stored(self, info: TensorInfo) -> StoredTensor:
         type_name = _type_name(info.ggml_type)
@@ -216,7 +218,8 @@ class GGUFCheckpoint:
     def tokenizer(self) -> Any:
         return self._header_cache.tokenizer(self._converted_tokenizer)
 
-    def _check_tokenizer_fields(self) -> None:
+    def check_tokenizer(self) -> None:
+        """Before any weight is packed: the tokenizer is built last."""
         model = self.metadata.get("tokenizer.ggml.model")
         if model is None or "tokenizer.ggml.tokens" not in self.metadata:
             raise ValueError(f"{self.path.name} holds no tokenizer (its metadata has no tokenizer.ggml.model and "

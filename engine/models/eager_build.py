@@ -4,6 +4,7 @@ dequantised alone, then copied in and dropped), plus the optional int4 copies of
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from engine.models.registry import model_class
 
 QUANT_CACHE_MIN_BYTES = 64 << 20
 
+log = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
@@ -36,6 +39,10 @@ def build_eager(checkpoint: Any, config: EngineConfig, dtype: torch.dtype) -> Ea
     """`checkpoint`: an engine.checkpoint GGUFCheckpoint or FolderCheckpoint (hf_config, tensors, path)."""
     cls = model_class(checkpoint.hf_config)
     quantize = config.quantize != "none" and dtype == torch.bfloat16
+    quantised = sorted({t.type_name for t in checkpoint.tensors.values()} - {"F32", "F16", "BF16"})
+    if quantize and quantised:  # the no-compiler fallback: refused, it would leave such a machine nothing to run
+        log.warning("eager path: the file's %s tensors are re-quantised onto int4 (a second rounding; quantize = "
+                    "\"none\" runs them exactly)", ", ".join(quantised))  # fmt: skip
     quant_file = _quant_cache_file(checkpoint.path, dtype, config.cache_path) if quantize else None
     # quantising reads the checkpoint's own (float32) values; otherwise build in dtype and cast while loading
     exact = quantize and not (quant_file and quant_file.is_file())

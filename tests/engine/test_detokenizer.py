@@ -129,6 +129,24 @@ def test_a_special_token_among_held_bytes_is_skipped(tokenizer):
     assert detok.flush() == "\ufffd"  # the stray byte; the special token skipped, the cut character dropped
 
 
+def test_a_last_character_is_dropped_only_when_the_length_cut_it(tokenizer):
+    """EOS, a stop token or a grammar that ends the output leave its last bytes what they are: no character."""
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _alphabet().items()}
+    for is_cut, expected in ((True, ""), (False, "\ufffd")):
+        detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode("Hello"), [], False, True)
+        assert detok.step(byte_token[0xE6]) == ("", None)
+        assert detok.flush(is_cut=is_cut) == expected == detok.text
+
+
+@pytest.mark.parametrize(("include", "expected"), [(False, "ok "), (True, "ok \ufffd")])
+def test_a_stop_string_in_the_released_bytes_ends_the_text_there(tokenizer, include, expected):
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _alphabet().items()}
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode("Hello"), ["\ufffd"], include, True)
+    deltas = [detok.step(t)[0] for t in tokenizer.encode("ok ")]
+    deltas += [detok.step(byte_token[b])[0] for b in (0x80, 0x41 + 0x80)] + [detok.flush()]
+    assert "".join(deltas) == expected == detok.text
+
+
 def _alphabet() -> dict[str, int]:
     from engine.token_bytes import _byte_level_alphabet
 

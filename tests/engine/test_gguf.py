@@ -149,10 +149,10 @@ def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_
     no_merges = write_llama_gguf(tmp_path / "no-merges.gguf", {"layers": "Q8_0"}, hidden=64, intermediate=128,
                                  num_layers=1, with_merges=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"needs tokenizer.ggml.merges, which the file lacks"):
-        open_checkpoint(str(no_merges))  # said when the file is opened: before its weights are packed
-    no_tokenizer = one_tensor_gguf(tmp_path / "no-tokenizer.gguf", "llama")
+        load_model(EngineConfig(model=str(no_merges)))  # said before its weights are packed
+    no_tokenizer = one_tensor_gguf(tmp_path / "no-tokenizer.gguf", "llama", {"llama.attention.head_count": 4})
     with pytest.raises(ValueError, match="no-tokenizer.gguf holds no tokenizer"):
-        open_checkpoint(str(no_tokenizer))
+        open_checkpoint(str(no_tokenizer)).check_tokenizer()
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     with pytest.raises(ValueError, match="cannot assemble Gemma 3 270M in the cache_dir"):
@@ -186,6 +186,11 @@ def test_a_file_cut_inside_its_header_says_so(mixed_gguf: Path, tmp_path: Path) 
         cut.write_bytes(mixed_gguf.read_bytes()[:num_bytes])
         with pytest.raises(ValueError, match="it ends inside its header \\(truncated"):
             open_checkpoint(str(cut))
+
+
+def test_a_gguf_lacking_metadata_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="its metadata lacks llama.attention.head_count"):
+        open_checkpoint(str(one_tensor_gguf(tmp_path / "bare.gguf", "llama")))
 
 
 def test_a_split_gguf_is_named_and_a_gguf_by_any_name_opens(tmp_path: Path) -> None:

@@ -161,6 +161,11 @@ def test_a_broken_folder_is_named_in_one_line(tiny_llama_dir: Path, tmp_path: Pa
     (folder / "config.json").write_text('{"model_type": "llama", ')
     with pytest.raises(ValueError, match="cannot read .*config.json"):
         load_model(EngineConfig(model=str(folder)))
+    shutil.rmtree(folder)
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_model(EngineConfig(model=str(folder)))
 
 
 @pytest.mark.parametrize(("n", "k"), [(48, 96), (24, 64)])

@@ -426,7 +426,7 @@ def test_metrics_count_answers_by_status_finishes_by_reason_and_tokens_as_they_s
     gaps = grew("sluice_inter_token_latency_seconds_count", since=before_stream)
     fast = grew("sluice_inter_token_latency_seconds_bucket", (("le", "0.005"),), since=before_stream)
     assert 0 < gaps <= 4 * 29 and fast == 0  # each choice's gaps: steps of at least 20 ms
-    assert after[("sluice_kv_blocks_total", ())] == server.engine.num_total_blocks
+    assert after[("sluice_kv_pool_blocks", ())] == server.engine.num_total_blocks
     assert after[("sluice_kv_cache_usage_ratio", ())] == 0.0
 
 
