@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from engine.async_engine import AsyncEngine, EngineState
-from engine.errors import load_refusals
 from engine.config import SluiceConfig
+from engine.errors import load_refusals
 from engine.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
 from engine.request import OutputStream
