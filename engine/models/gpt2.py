@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import LayerCache, Linear, StepContext, paged_attention
+from engine.models.layers import LayerCache, Linear, StepContext, copy_weight, paged_attention
 
 def _layer_norm(cfg: Any) -> nn.LayerNorm:
     norm = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
@@ -106,7 +106,7 @@ class GPT2LMHeadModel(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             if name.endswith(".weight") and name.split(".")[-2] in self.CONV1D:
                 tensor = tensor.t()
-            params[name].data.copy_(tensor)
+            copy_weight(params[name].data, tensor, name)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, paged_attention
+from engine.models.layers import LayerCache, Linear, RMSNorm, Rotary, StepContext, copy_weight, paged_attention
 from engine.rope import layer_window
 
 # model types whose attention normalises each query and key head (weights q_norm / k_norm)
@@ -138,12 +138,12 @@ class LlamaForCausalLM(nn.Module):
                 param = params[target]
                 sizes = self._shard_sizes(module_name)
                 offset = sum(sizes[:shard])
-                param.data[offset : offset + sizes[shard]].copy_(tensor)
+                copy_weight(param.data[offset : offset + sizes[shard]], tensor, name)
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            params[name].data.copy_(tensor)
+            copy_weight(params[name].data, tensor, name)
             loaded.add(name)
         self._check_loaded(loaded, params)
 
