@@ -181,7 +181,8 @@ def test_engine_loop_crash_errors_every_stream_and_stops_the_server(tiny_llama_d
         assert server.stop() == 1  # serve() reports the crash: `python -m web.server` exits 1
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: a closed terminal, a reload
+# SIGINT: Ctrl-C; SIGHUP: a closed terminal, a reload
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir, signum: signal.Signals) -> None:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -220,6 +221,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir, signum
             assert events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
         assert {e[-2]["choices"][0]["finish_reason"] for e in results[:2]} == {"length"}
         assert process.wait(timeout=30) == 0
+        log = process.stdout.read().decode() if process.stdout else ""
+        assert f"{signum.name}: draining" in log and "again" not in log  # one signal is one drain, not a second signal
     finally:
         if process.poll() is None:
             process.kill()
