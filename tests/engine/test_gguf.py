@@ -159,6 +159,15 @@ def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_
         gemma3_270m_gguf(not_a_folder / "cache")
 
 
+def test_the_packaged_gemma_is_joined_once_and_says_so(tmp_path: Path, caplog) -> None:
+    """Its first start writes ~240 MB into the cache: a line in the log names where, once."""
+    with caplog.at_level(logging.INFO, logger="engine.models.packaged"):
+        path = gemma3_270m_gguf(tmp_path)
+        assert gemma3_270m_gguf(tmp_path) == path and path.parent == tmp_path
+    joins = [r.getMessage() for r in caplog.records if "joining Gemma 3 270M" in r.getMessage()]
+    assert len(joins) == 1 and str(path) in joins[0] and "4 chunks" in joins[0]
+
+
 def test_a_truncated_file_says_so(mixed_gguf: Path, tmp_path: Path) -> None:
     """An interrupted download: the header and tensor table are whole, the data is not."""
     cut = tmp_path / "cut.gguf"
