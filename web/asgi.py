@@ -119,8 +119,9 @@ class SluiceASGI:
         # anyio.run did not start, as Hypercorn's): it sets this event, and a task waiting on it drains.
         self._signalled = anyio.Event()
         tg.start_soon(self._drain_on_stop, self._signalled)
-        handlers = dict(getattr(loop, "_signal_handlers", {}))  # before ours: a fallback to our own SIGTERM handler
-        for signum in SIGNALS:  # ran it as a second signal after one Ctrl-C's drain (a warning, every request ended)
+        # Copied before ours are added: a fallback to our own SIGTERM handler ran as a second signal after one Ctrl-C.
+        handlers = dict(getattr(loop, "_signal_handlers", {}))
+        for signum in SIGNALS:
             # Hypercorn's handler, when it runs in this process (asyncio keeps one handler per signal). It has none
             # for SIGHUP: after that drain, its SIGTERM handler stops it.
             previous: asyncio.Handle | None = handlers.get(signum) or handlers.get(signal.SIGTERM)

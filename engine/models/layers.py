@@ -20,7 +20,6 @@ INT4_GROUP_SIZE = 32
 PACK_BATCH_HINT = 32  # rows oneDNN lays a packed weight out for; any M works (measured: best across 1..512)
 
 
-
 def copy_weight(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     """A checkpoint's tensor into a parameter (or a slice of one) of the shape the config gives: copy_ would broadcast
     a smaller tensor silently, or fail with a size error that names nothing."""
@@ -28,6 +27,7 @@ def copy_weight(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"the weights do not match the model's config: {name} is {tuple(tensor.shape)}, the config "
                          f"makes it {tuple(target.shape)}")  # fmt: skip
     target.copy_(tensor)
+
 
 @dataclass
 class PrefillSpan:
