@@ -46,16 +46,17 @@ class GrammarCompiler:
 
     def compile(self, structured: StructuredOutputs) -> LLMatcher:
         """A fresh matcher at the start of the output; InvalidRequest naming the parameter if it does not compile."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
         param = structured.error_param()
         try:
             grammar = self.grammar_text(structured)
         except ValueError as error:  # a schema that is not a JSON object
             raise InvalidRequest(f"{param}: {_first_lines(error)}", param) from None
-        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        # verbose_errors off: an error's words go to the client, and llguidance's verbose ones dump its parser state
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LLParserLimits(verbose_errors=False))
         if matcher.is_error():
-            raise InvalidRequest(f"{param} cannot be compiled: {_first_lines(matcher.get_error())}", param)
+            raise InvalidRequest(f"{param} cannot be compiled: {_first_lines(matcher_error(matcher))}", param)
         return matcher
 
     @staticmethod
@@ -78,6 +79,11 @@ class GrammarCompiler:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in structured.choice))
         assert structured.grammar is not None
         return LLMatcher.grammar_from_lark(structured.grammar)
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """The matcher's error in words for the client (without llguidance's marker of a non-verbose error)."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 def _first_lines(error: object, limit: int = 400) -> str:

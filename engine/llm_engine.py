@@ -21,7 +21,7 @@ from engine.fork import choice_params, fork_point
 from engine.input_processor import InputProcessor, Prompt, PreparedRequest
 from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.output_processor import GrammarViolation, OutputProcessor
+from engine.output_processor import STRUCTURED_OUTPUT_FAILED, GrammarViolation, OutputProcessor
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -170,7 +170,8 @@ class LLMEngine:
                 out = self._on_tokens(seq, tokens)
             except GrammarViolation as error:  # a grammar past llguidance's limits: its words are the client's
                 logger.warning("request %s: %s", seq.request_id, error)
-                (out,) = self.output_processor.final(seq, FinishReason.ERROR, f"structured output failed: {error}")
+                (out,) = self.output_processor.final(seq, FinishReason.ERROR, f"structured output failed: {error}",
+                                                     error_code=STRUCTURED_OUTPUT_FAILED)  # fmt: skip
             except Exception:  # one request's output failing fails that request alone
                 logger.exception("producing the output of request %s failed", seq.request_id)
                 (out,) = self.output_processor.final(seq, FinishReason.ERROR, OUTPUT_FAILED)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.batch import SampledToken
+from engine.grammar_compiler import matcher_error
 from engine.outputs import FinishReason, RequestOutput
 from engine.sequence import Sequence
 
@@ -55,13 +56,15 @@ class OutputProcessor:
             out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
         return out
 
-    def final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
+    def final(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+              error_code: str | None = None) -> list[RequestOutput]:  # fmt: skip
         """The last delta of each choice seq stands for (a fork parent: all n), ended from outside its tokens
         (abort, error)."""
         outs = []
         for index in range(seq.num_forks) if seq.num_forks else [seq.index]:
             out = self._output(seq, [], "")
             out.index, out.finished, out.finish_reason, out.error = index, True, reason, error
+            out.error_code = error_code
             outs.append(out)
         return outs
 
@@ -78,6 +81,9 @@ class OutputProcessor:
         )
 
 
+STRUCTURED_OUTPUT_FAILED = "structured_output_failed"  # the error code of a GrammarViolation: the client's 400
+
+
 class GrammarViolation(RuntimeError):
     """The matcher refused a sampled token: a mask that was not applied (a bug), or a grammar that outgrew
     llguidance's limits mid-output. Either way it fails that request alone."""
@@ -86,5 +92,5 @@ class GrammarViolation(RuntimeError):
 def _advance_grammar(matcher: Any, token_id: int) -> bool:
     """Feed a sampled token to the request's matcher; True once the grammar accepts no further token."""
     if not matcher.consume_token(token_id):
-        raise GrammarViolation(f"token {token_id} breaks the grammar: {matcher.get_error()}")
+        raise GrammarViolation(f"token {token_id} breaks the grammar: {matcher_error(matcher)}")
     return matcher.is_stopped()

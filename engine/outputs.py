@@ -40,6 +40,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[SampledToken] | None = None  # one per new token when the request asked for logprobs
     error: str | None = None  # set when finish_reason == "error"
+    # Set with error when the request's own input failed it mid-output (a grammar past its parser's limits): OpenAI's
+    # error code for a 400, where an error without one is the engine's (a 500).
+    error_code: str | None = None
     # With the first token, when the request asked for them: one per prompt token (None for the first).
     prompt_logprobs: list[SampledToken | None] | None = None
     index: int = 0  # the choice, among the request's n (SamplingParams.n)
@@ -60,7 +63,7 @@ class RequestOutput:
         # Set once, at the request's first admission: a final delta from outside the engine may not know it.
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.finished, self.finish_reason = later.finished, later.finish_reason
-        self.stop_reason, self.error = later.stop_reason, later.error
+        self.stop_reason, self.error, self.error_code = later.stop_reason, later.error, later.error_code
 
 
 class ChoiceOutput(RequestOutput):

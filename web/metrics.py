@@ -51,8 +51,9 @@ class ServerMetrics:
         self.rejected = Counter("sluice_requests_rejected", "Requests answered 429 (admission queue full)", registry=r)
         self.aborted = Counter("sluice_requests_aborted", "Requests ended by abort (disconnect or drain)", registry=r)
         self.failed = Counter("sluice_requests_failed", "Requests ended by an engine error", registry=r)
-        self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length, by the last choice's "
-                                "reason", ["finished_reason"], registry=r)  # fmt: skip
+        self.finished = Counter("sluice_requests_finished", "Requests ended by stop or length (or by "
+                                "an error of their own input), by the last choice's reason", ["finished_reason"],
+                                registry=r)  # fmt: skip
         self.responses = Counter("sluice_http_responses", "Responses of the API by status code (every 4xx and 5xx "
                                  "with them)", ["status"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of the requests that ended", registry=r)
@@ -147,9 +148,11 @@ class RequestTimer:
         if output.finished:
             self._num_open -= 1
             if not self._num_open or output.finish_reason is FinishReason.ERROR:
-                self.end(output.finish_reason or FinishReason.ABORT)
+                self.end(output.finish_reason or FinishReason.ABORT, is_request_error=output.error_code is not None)
 
-    def end(self, finish_reason: FinishReason) -> None:
+    def end(self, finish_reason: FinishReason, is_request_error: bool = False) -> None:
+        """is_request_error: an ERROR the request's own input caused (a 400), counted as finished "error", not as
+        an engine failure."""
         if self.ended:
             return
         self.ended = True
@@ -157,7 +160,7 @@ class RequestTimer:
         metrics = self._metrics
         if finish_reason is FinishReason.ABORT:
             metrics.aborted.inc()
-        elif finish_reason is FinishReason.ERROR:
+        elif finish_reason is FinishReason.ERROR and not is_request_error:
             metrics.failed.inc()
         else:
             metrics.finished.labels(finish_reason.value).inc()

@@ -213,5 +213,7 @@ async def collect(outputs: OutputStream, timer: RequestTimer) -> list[ChoiceOutp
 
 def check_finished(results: list[ChoiceOutput]) -> None:
     for result in results:
+        if result.finish_reason is FinishReason.ERROR and result.error_code is not None:
+            raise APIError(400, result.error or result.error_code, code=result.error_code)
         if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
             raise APIError(500, result.error or "the request ended without a result", code="engine_error")

@@ -27,6 +27,13 @@ def engine_error_event(message: str) -> bytes:
     return sse_event(error_body(500, message, code="engine_error"))
 
 
+def error_event(output: RequestOutput) -> bytes:
+    """A choice that ended in an error: the request's own (400, its code) or the engine's (500)."""
+    if output.error_code is not None:
+        return sse_event(error_body(400, output.error or output.error_code, code=output.error_code))
+    return engine_error_event(output.error or "the engine failed")
+
+
 async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: RequestTimer) -> AsyncIterator[bytes]:
     """Exactly one terminal event (a finish chunk or an error event), then [DONE], on every path that the
     client is still there to see. A client that leaves (CancelledError at an await, GeneratorExit at a yield)
@@ -47,7 +54,7 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
             async for output in outputs:
                 timer.observe(output)
                 if output.finish_reason is FinishReason.ERROR:
-                    last = engine_error_event(output.error or "the engine failed")
+                    last = error_event(output)
                     break
                 if fmt.continuous_usage:
                     fmt.usage_now(Usage.of_output(output))
@@ -107,7 +114,7 @@ async def stream_batch_events(
                 continue
             timers[p].observe(output)
             if output.finish_reason is FinishReason.ERROR:
-                last = engine_error_event(output.error or "the engine failed")
+                last = error_event(output)
                 break
             if fmt.continuous_usage:
                 fmt.usage_now(Usage.of_output(output))

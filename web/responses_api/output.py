@@ -62,7 +62,8 @@ class ResponseBuilder:
             events += self._parsed(parsed)
         return events
 
-    def finish(self, reason: FinishReason | None, error: str | None, usage: dict[str, Any]) -> list[Event]:
+    def finish(self, reason: FinishReason | None, error: str | None, usage: dict[str, Any],
+               error_code: str | None = None) -> list[Event]:  # fmt: skip
         """The output ended: flush the parser, close the open item, the terminal event (with the whole response)."""
         events: list[Event] = []
         if self.parser is not None:
@@ -79,7 +80,7 @@ class ResponseBuilder:
             self.status, self.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
         else:
             message = error if reason is FinishReason.ERROR and error else ABORTED
-            self.status, self.error = "failed", {"code": "server_error", "message": message}
+            self.status, self.error = "failed", {"code": error_code or "server_error", "message": message}
         return [*events, self._event(f"response.{self.status}", response=self.response())]
 
     def _parsed(self, parsed: ParserEvent) -> list[Event]:

@@ -75,8 +75,11 @@ async def create_response() -> Response:
     builder.feed(result.text)
     usage = Usage.of_choices([result])
     builder.finish(result.finish_reason, result.error,
-                   usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens))  # fmt: skip
+                   usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
+                   result.error_code)  # fmt: skip
     keep(builder)
+    if result.finish_reason is FinishReason.ERROR and result.error_code is not None:
+        raise APIError(400, result.error or result.error_code, code=result.error_code)
     if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
         raise APIError(500, result.error or "the request ended without a result", code="engine_error")
     return json_response(builder.response())

@@ -37,12 +37,12 @@ async def response_events(
     try:
         async with outputs:
             yield encode_events(builder.start())
-            reason, error = FinishReason.ERROR, "the request ended without a result"
+            reason, error, error_code = FinishReason.ERROR, "the request ended without a result", None
             async for output in outputs:
                 timer.observe(output)
                 events = builder.feed(output.text_delta)
                 if output.finished:
-                    reason, error = output.finish_reason or FinishReason.ERROR, output.error
+                    reason, error, error_code = output.finish_reason or FinishReason.ERROR, output.error, output.error_code
                     break
                 if events:
                     yield encode_events(events)
@@ -51,7 +51,7 @@ async def response_events(
                 timer.end(FinishReason.ERROR)
             usage = Usage.of_request(outputs.request)
             events += builder.finish(reason, error, usage_object(usage.prompt_tokens, usage.completion_tokens,
-                                                                 usage.cached_tokens))  # fmt: skip
+                                                                 usage.cached_tokens), error_code)  # fmt: skip
             on_finished(builder)
             yield encode_events(events)
     finally:
