@@ -11,6 +11,8 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from engine.errors import InvalidRequest
 from engine.structured_outputs import StructuredOutputs
 
@@ -57,7 +59,15 @@ class GrammarCompiler:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LLParserLimits(verbose_errors=False))
         if matcher.is_error():
             raise InvalidRequest(f"{param} cannot be compiled: {_first_lines(matcher_error(matcher))}", param)
+        # A schema no JSON value satisfies (one that only refers to itself) compiles to a grammar of the empty
+        # output, which no JSON text is: an answer of "" with finish_reason "stop" otherwise.
+        if structured.json is not None and self._allows_only_eos(matcher):
+            raise InvalidRequest(f"{param} is an unsatisfiable schema: no JSON value matches it", param)
         return matcher
+
+    def _allows_only_eos(self, matcher: LLMatcher) -> bool:
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist()) <= set(self.eos_token_ids)
 
     @staticmethod
     def grammar_text(structured: StructuredOutputs) -> str:

@@ -108,6 +108,8 @@ def test_abort_of_a_constrained_request_frees_its_blocks(llm):
         (dict(json="{not json"), "structured_outputs.json"),
         (dict(grammar="start: undefined_rule"), "structured_outputs.grammar"),
         (dict(json={"type": "foo"}, param="response_format"), "response_format"),
+        # compiles, but to the empty output only: no JSON value satisfies it (was: "" and finish_reason "stop")
+        (dict(json={"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}), "structured_outputs.json"),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_invalid_naming_its_parameter(llm, kind, param):
