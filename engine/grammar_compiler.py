@@ -14,11 +14,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.errors import InvalidRequest
-from engine.structured_outputs import StructuredOutputs
+from engine.structured_outputs import MAX_CHOICES, StructuredOutputs
 
 # JSON is written as json.dumps writes it ({"a": 1, "b": [2, 3]}): small models given free whitespace tend to
 # fill the output with it. A schema's own "x-guidance" options override these.
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The Earley items one row of a parse may hold (llguidance's default: 2000). An ambiguous grammar's rows grow with
+# its output, and every token's step walks them while the batch waits: a 40-byte grammar took 14-30 s for 200
+# tokens, then failed at 2000. At this cap it fails after ~130 tokens in ~6 s; a choice's first row holds one item
+# per entry.
+MAX_ROW_ITEMS = MAX_CHOICES + 76
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
@@ -56,7 +61,8 @@ class GrammarCompiler:
         except ValueError as error:  # a schema that is not a JSON object
             raise InvalidRequest(f"{param}: {_first_lines(error)}", param) from None
         # verbose_errors off: an error's words go to the client, and llguidance's verbose ones dump its parser state
-        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LLParserLimits(verbose_errors=False))
+        limits = LLParserLimits(max_items_in_row=MAX_ROW_ITEMS, verbose_errors=False)
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise InvalidRequest(f"{param} cannot be compiled: {_first_lines(matcher_error(matcher))}", param)
         # A schema no JSON value satisfies (one that only refers to itself) compiles to a grammar of the empty

@@ -12,7 +12,7 @@ from engine import SamplingParams
 from engine.batch import SamplingRow
 from engine.errors import InvalidRequest
 from engine.grammar_mask import GrammarMasker
-from engine.structured_outputs import StructuredOutputs
+from engine.structured_outputs import MAX_CHOICES, StructuredOutputs
 
 from tests.support.engine_helpers import assert_pool_full, make_llm
 
@@ -116,6 +116,13 @@ def test_a_constraint_that_does_not_compile_is_invalid_naming_its_parameter(llm,
     with pytest.raises(InvalidRequest) as error:
         llm.generate(["Hello"], constrained(**kind), use_tqdm=False)
     assert error.value.param == param
+
+
+def test_the_longest_choice_list_runs_under_the_parsers_row_limit(llm):
+    """Each entry of a choice is an item of the parse's first row: MAX_ROW_ITEMS leaves room for all of them."""
+    words = [f" w{i}x" for i in range(MAX_CHOICES)]
+    (out,) = llm.generate(["Pick one:"], constrained(choice=words), use_tqdm=False)
+    assert out.finish_reason == "stop" and out.text in words
 
 
 def test_bad_constraint_values_are_invalid_on_construction():
