@@ -274,8 +274,11 @@ def _text_of(content: str | list[ContentPart], where: str) -> str:
         return content
     texts = []
     for i, part in enumerate(content):
-        if part.type not in TEXT_PART_TYPES or part.text is None:
+        if part.type not in TEXT_PART_TYPES:
             message_ = f"{where}[{i}]: content of type {part.type!r} is not supported: this model reads input_text"
             raise APIError(400, message_, param=f"{where}[{i}].type")
+        if part.text is None:
+            raise APIError(400, f"{where}[{i}].text: Field required (a part of type {part.type!r} carries its text)",
+                           param=f"{where}[{i}].text")  # fmt: skip
         texts.append(part.text)
     return "".join(texts)
