@@ -172,7 +172,8 @@ def test_a_broken_folder_is_named_in_one_line(tiny_llama_dir: Path, tmp_path: Pa
     ("n_inner", 7, r"h.0.mlp.c_fc.bias is \(256,\), the config makes it \(7,\)"),
     ("n_positions", 3, r"wpe.weight is \(512, 64\), the config makes it \(3, 64\)"),
 ])
-def test_a_gpt2_config_that_disagrees_with_its_weights_is_named(key: str, value: int, named: str, tmp_path: Path) -> None:
+def test_a_gpt2_config_that_disagrees_with_its_weights_is_named(key: str, value: int, named: str,
+                                                                tmp_path: Path) -> None:  # fmt: skip
     """The eager models check each tensor's shape as they copy it (a RuntimeError from copy_ named no tensor)."""
     folder = save_tiny_gpt2(tmp_path / "gpt2")
     config = json.loads((folder / "config.json").read_text())

@@ -192,8 +192,9 @@ def test_tools_with_an_answer_format_call_or_answer_in_the_format(server: Thread
         assert stream_text_and_calls(client, **body) == (whole.message.content or "", calls, finish)
 
 
-def test_a_grammar_past_its_parsers_limits_fails_its_request_alone_with_a_400(server: ThreadedServer,
-                                                                              client: openai.OpenAI) -> None:  # fmt: skip
+def test_a_grammar_past_its_parsers_limits_fails_its_request_alone_with_a_400(
+    server: ThreadedServer, client: openai.OpenAI
+) -> None:
     """llguidance stops a grammar that outgrows its limits while the output runs (a regex of a million states, a
     schema that must recurse forever): the client's 400 (or the stream's error event) with a short message, not an
     engine failure (a 500 with the parser's state in it, counted in sluice_requests_failed_total)."""
@@ -202,13 +203,15 @@ def test_a_grammar_past_its_parsers_limits_fails_its_request_alone_with_a_400(se
     http = httpx.Client(base_url=server.base_url, timeout=120)
     failed_before = metric(http, "sluice_requests_failed_total")
     for constraint in [{"regex": "a{1000000}"}, {"json": endless}]:
-        body = dict(messages=[{"role": "user", "content": "say a"}], max_tokens=300, extra_body={"structured_outputs": constraint})
+        body = dict(messages=[{"role": "user", "content": "say a"}], max_tokens=300,
+                    extra_body={"structured_outputs": constraint})  # fmt: skip
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, **body)
         error = refused.value.body
         assert error["code"] == "structured_output_failed" and error["type"] == "invalid_request_error"
         assert error["message"].startswith("structured output failed: token ") and "Parser:" not in error["message"]
-        stream = {"model": MODEL, "prompt": "say a", "max_tokens": 300, "stream": True, "structured_outputs": constraint}
+        stream = {"model": MODEL, "prompt": "say a", "max_tokens": 300, "stream": True,
+                  "structured_outputs": constraint}  # fmt: skip
         with http.stream("POST", "/v1/completions", json=stream) as response:
             events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "structured_output_failed"

@@ -42,7 +42,8 @@ async def response_events(
                 timer.observe(output)
                 events = builder.feed(output.text_delta)
                 if output.finished:
-                    reason, error, error_code = output.finish_reason or FinishReason.ERROR, output.error, output.error_code
+                    reason, error = output.finish_reason or FinishReason.ERROR, output.error
+                    error_code = output.error_code
                     break
                 if events:
                     yield encode_events(events)
