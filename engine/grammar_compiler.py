@@ -73,7 +73,8 @@ class GrammarCompiler:
 
     def _allows_only_eos(self, matcher: LLMatcher) -> bool:
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return set(np.flatnonzero(bits).tolist()) <= set(self.eos_token_ids)
+        bits[self.eos_token_ids] = 0
+        return not bits.any()
 
     @staticmethod
     def grammar_text(structured: StructuredOutputs) -> str:

@@ -12,6 +12,7 @@ from werkzeug.exceptions import HTTPException
 
 from engine.async_engine import EngineState, EngineUnavailable
 from engine.errors import InvalidRequest
+from engine.outputs import RequestOutput
 from web.json_response import json_response
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,14 @@ class APIError(Exception):
         response = json_response(self.body(), self.status)
         response.headers.update(self.headers)
         return response
+
+
+def failure_of(output: RequestOutput) -> APIError:
+    """What a choice that ended without a result (finish_reason "error", or none) answers: the request's own error
+    (a 400 with its code: a grammar past its limits) or the engine's (a 500)."""
+    if output.error_code is not None:
+        return APIError(400, output.error or output.error_code, code=output.error_code)
+    return APIError(500, output.error or "the request ended without a result", code="engine_error")
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:

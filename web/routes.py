@@ -18,7 +18,7 @@ from engine.input_processor import PreparedRequest
 from engine.outputs import ChoiceOutput, FinishReason
 from engine.request import OutputStream
 from web.cluster.stats import ClusterStats
-from web.errors import APIError
+from web.errors import APIError, failure_of
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import ChatResponses, CompletionResponses, EchoedPrompt, ResponseFormat
@@ -213,7 +213,5 @@ async def collect(outputs: OutputStream, timer: RequestTimer) -> list[ChoiceOutp
 
 def check_finished(results: list[ChoiceOutput]) -> None:
     for result in results:
-        if result.finish_reason is FinishReason.ERROR and result.error_code is not None:
-            raise APIError(400, result.error or result.error_code, code=result.error_code)
         if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
-            raise APIError(500, result.error or "the request ended without a result", code="engine_error")
+            raise failure_of(result)

@@ -10,7 +10,7 @@ from quart import Response
 
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream
-from web.errors import error_body
+from web.errors import error_body, failure_of
 from web.json_response import dumps_one_line
 from web.metrics import RequestTimer
 from web.responses import ResponseFormat, Usage
@@ -29,9 +29,7 @@ def engine_error_event(message: str) -> bytes:
 
 def error_event(output: RequestOutput) -> bytes:
     """A choice that ended in an error: the request's own (400, its code) or the engine's (500)."""
-    if output.error_code is not None:
-        return sse_event(error_body(400, output.error or output.error_code, code=output.error_code))
-    return engine_error_event(output.error or "the engine failed")
+    return sse_event(failure_of(output).body())
 
 
 async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: RequestTimer) -> AsyncIterator[bytes]:

@@ -40,7 +40,7 @@ def build_eager(checkpoint: Any, config: EngineConfig, dtype: torch.dtype) -> Ea
     cls = model_class(checkpoint.hf_config)
     quantize = config.quantize != "none" and dtype == torch.bfloat16
     quantised = sorted({t.type_name for t in checkpoint.tensors.values()} - {"F32", "F16", "BF16"})
-    if quantize and quantised:  # the no-compiler fallback: refused, it would leave such a machine nothing to run
+    if quantize and quantised:  # the no-compiler fallback: said, not refused (that would leave nothing to run)
         log.warning("eager path: the file's %s tensors are re-quantised onto int4 (a second rounding; quantize = "
                     "\"none\" runs them exactly)", ", ".join(quantised))  # fmt: skip
     quant_file = _quant_cache_file(checkpoint.path, dtype, config.cache_path) if quantize else None

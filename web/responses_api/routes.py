@@ -16,7 +16,7 @@ from quart import Blueprint, Response, request
 from engine.errors import InvalidRequest
 from engine.outputs import FinishReason
 from web.api_keys import bearer_token
-from web.errors import APIError
+from web.errors import APIError, failure_of
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import Usage
@@ -78,10 +78,8 @@ async def create_response() -> Response:
                    usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
                    result.error_code)  # fmt: skip
     keep(builder)
-    if result.finish_reason is FinishReason.ERROR and result.error_code is not None:
-        raise APIError(400, result.error or result.error_code, code=result.error_code)
     if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
-        raise APIError(500, result.error or "the request ended without a result", code="engine_error")
+        raise failure_of(result)
     return json_response(builder.response())
 
 
