@@ -31,7 +31,7 @@ LOADING_TIMEOUT = 600.0  # seconds a --url server may still be loading its model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description="Load generator for OpenAI-compatible servers.")
+    p = argparse.ArgumentParser(description="Load generator for OpenAI-compatible servers.")
     p.add_argument("--url", help=f"base URL of the server to measure (default {DEFAULT_URL}; --soak and --abuse "
                    "start a Sluice server of their own when none is given)")
     p.add_argument("--model", help="model name to send (default: the first id of GET /v1/models)")

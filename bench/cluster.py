@@ -130,7 +130,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="the model of every server (default: Sluice's default)")
     parser.add_argument("--servers", default="single," + ",".join(POLICIES), help="a subset, comma-separated")
     parser.add_argument("--phases", default=",".join(PHASES), help="a subset, comma-separated")

@@ -283,7 +283,7 @@ def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", help="comma-separated: avx512, avxvnni, avx2, baseline (default: every one this CPU runs)")
     p.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)), help="GEMM row counts (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3)

@@ -32,25 +32,27 @@ MODES: dict[str, tuple[str, str]] = {
 }
 
 
-def usage() -> str:
+def usage(prog: str = "python -m bench") -> str:
     width = max(len(name) for name in MODES)
     lines = [f"  {name:<{width}}  {about}" for name, (_, about) in MODES.items()]
-    return "usage: python -m bench <mode> [flags]   (python -m bench <mode> --help)\n\nmodes:\n" + "\n".join(lines)
+    return f"usage: {prog} <mode> [flags]   ({prog} <mode> --help)\n\nmodes:\n" + "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bench") -> int:
+    """prog: how the user called it ("sluice bench" from the sluice command), for the usage lines."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print(usage())
+        print(usage(prog))
         return 0
     if not args or args[0].startswith("-"):
         name, rest = "load", args
     elif args[0] in MODES:
         name, rest = args[0], args[1:]
     else:
-        print(f"python -m bench: unknown mode {args[0]!r}\n\n{usage()}", file=sys.stderr)
+        print(f"{prog}: unknown mode {args[0]!r}\n\n{usage(prog)}", file=sys.stderr)
         return 2
     module = importlib.import_module(MODES[name][0])
-    # argparse names a mode's usage after argv[0]: "python -m bench sampler", not "__main__.py" (or "sluice")
-    sys.argv[0] = "python -m bench" if name == "load" else f"python -m bench {name}"
+    # argparse names a mode's usage after argv[0]: "python -m bench sampler" (or "sluice bench sampler"), not
+    # "__main__.py" (or "sluice")
+    sys.argv[0] = prog if name == "load" else f"{prog} {name}"
     return module.main(rest) or 0

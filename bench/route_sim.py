@@ -123,7 +123,7 @@ def simulate(trace: list[Conversation], num_replicas: int, policy: str, kv_block
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench route-sim", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", default="2,4,8,16,32,64")
     parser.add_argument("--conversations-per-replica", type=int, default=100)
     parser.add_argument("--horizon-per-conversation", type=float, default=1.0, help="seconds of arrivals each")

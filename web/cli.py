@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         from bench.modes import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog="sluice bench")
     print(f"sluice: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

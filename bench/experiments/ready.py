@@ -63,7 +63,7 @@ def time_imports() -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench ready", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sluice-model", default="", help="a GGUF or Hugging Face folder (default: the default model)")
     parser.add_argument("--llama-server", help="llama-server binary to start on the same GGUF")
     parser.add_argument("--llama-parallel", default="1,16", help="llama-server slot counts, comma-separated")

@@ -50,7 +50,7 @@ def measure(backend, rows: int, calls: int) -> tuple[list[float], list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench step", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help="a GGUF or Hugging Face folder (default: the default model)")
     parser.add_argument("--rows", default="1,8,32", help="sequences decoding in the step, comma-separated")
     parser.add_argument("--variants", default="best", help="kernel variants, comma-separated (avx512, avxvnni, avx2, baseline)")

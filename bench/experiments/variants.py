@@ -63,7 +63,7 @@ def best_in_turns(columns: list[tuple[ModuleType, str, Callable[[], object]]], t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench variants", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="", help="comma-separated (default: every one this CPU runs)")
     parser.add_argument("--rows", default="8,32,128", help="GEMM row counts, comma-separated")
     parser.add_argument("--turns", type=int, default=30)

@@ -269,3 +269,16 @@ def test_bench_is_the_load_generator(served: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     (level,) = json.loads(out.read_text())["levels"]
     assert level["completed"] == 4 and level["completion_tokens"] == 16
+
+
+def test_bench_help_names_the_command_it_was_called_by() -> None:
+    """`sluice bench ... --help` shows `sluice bench ...` usage lines, `python -m bench` its own."""
+    for args, usage in ((("bench", "--help"), "usage: sluice bench <mode>"),
+                        (("bench", "kernels", "--help"), "usage: sluice bench kernels "),
+                        (("bench", "load", "--help"), "usage: sluice bench [-h]")):  # fmt: skip
+        done = sluice(*args)
+        assert done.returncode == 0 and done.stdout.startswith(usage), (args, done.stdout[:200], done.stderr[-500:])
+    own = subprocess.run([sys.executable, "-m", "bench", "step", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert own.returncode == 0 and own.stdout.startswith("usage: python -m bench step ")
+    unknown = sluice("bench", "nope")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("sluice bench: unknown mode 'nope'")
