@@ -282,3 +282,11 @@ def configured(read: Callable[[], SluiceConfig]) -> SluiceConfig:
 
 def start_logging(config: SluiceConfig) -> None:
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(not_printed_by_its_own_handler)
+
+
+def not_printed_by_its_own_handler(record: logging.LogRecord) -> bool:
+    """The hypercorn command gives hypercorn.error a handler of its own and lets its records reach the root's as
+    well: each line ("Running on ...") was printed twice."""
+    return not (record.name.startswith("hypercorn.") and logging.getLogger(record.name).handlers)

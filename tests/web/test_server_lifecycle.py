@@ -324,7 +324,7 @@ def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
         assert httpx.post(f"{server.base_url}/v1/completions", json=SHORT, timeout=30).status_code == 200
 
 
-def test_the_hypercorn_command_serves_and_stops_cleanly(tiny_llama_dir) -> None:
+def test_the_hypercorn_command_serves_and_stops_cleanly(tiny_llama_dir, tmp_path) -> None:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     env = {
@@ -334,13 +334,17 @@ def test_the_hypercorn_command_serves_and_stops_cleanly(tiny_llama_dir) -> None:
     }  # fmt: skip
     command = [sys.executable, "-m", "hypercorn", "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}",
                "web.asgi:create_asgi_app()"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "hypercorn.log"
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     try:
         wait_until(lambda: health(base_url)[0] == 200 or process.poll() is not None, timeout=120)
         result = stream_request(httpx.Client(base_url=base_url, timeout=30), "/v1/completions", SHORT)
         assert result.events[-1] == "[DONE]" and result.events[-2]["choices"][0]["finish_reason"] == "length"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
+        lines = log.read_text().splitlines()
+        assert sum("Running on" in line for line in lines) == 1, lines[:5]  # hypercorn's line, once
+        assert any("sluice.server: engine ready" in line for line in lines)  # ours, through the root's handler
     finally:
         if process.poll() is None:
             process.kill()
