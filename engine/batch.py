@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.grammar_clock import GrammarClock
+
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -35,6 +37,7 @@ class SamplingRow:
     # Draft tokens the matcher must take first (a verification row past drafts): consumed for the mask, then
     # rolled back, so the matcher is as it was when the step ends.
     matcher_lookahead: tuple[int, ...] = ()
+    grammar_clock: GrammarClock | None = None  # the sequence's, with the matcher: the mask's time is added to it
 
     @property
     def is_greedy(self) -> bool:

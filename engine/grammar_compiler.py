@@ -21,8 +21,8 @@ from engine.structured_outputs import MAX_CHOICES, StructuredOutputs
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The Earley items one row of a parse may hold (llguidance's default: 2000). An ambiguous grammar's rows grow with
 # its output, and every token's step walks them while the batch waits: a 40-byte grammar took 14-30 s for 200
-# tokens, then failed at 2000. At this cap it fails after ~130 tokens in ~6 s; a choice's first row holds one item
-# per entry.
+# tokens, then failed at 2000. At this cap it fails after ~150 tokens in ~6 s (engine/grammar_clock.py ends it on
+# its time before that); a choice's first row holds one item per entry.
 MAX_ROW_ITEMS = MAX_CHOICES + 76
 
 if TYPE_CHECKING:

@@ -315,6 +315,7 @@ class LLMEngine:
             banned_token_ids=banned,
             logit_bias=p.logit_bias,
             matcher=seq.matcher,
+            grammar_clock=seq.grammar_clock,
         )
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -5,7 +5,7 @@ It decides, and the engine applies: the OutputProcessor never touches the schedu
 
 from __future__ import annotations
 
-from typing import Any
+import time
 
 from engine.batch import SampledToken
 from engine.grammar_compiler import matcher_error
@@ -32,7 +32,7 @@ class OutputProcessor:
             text, stop_str = "", None  # the token that ends the output is not its text (as a stop string is not)
         else:
             text, stop_str = seq.detokenizer.step(token_id, can_stop)
-        is_grammar_done = seq.matcher is not None and _advance_grammar(seq.matcher, token_id)
+        is_grammar_done = seq.matcher is not None and _advance_grammar(seq, token_id)
         reason: FinishReason | None = None
         stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         if stop_str is not None:
@@ -86,11 +86,17 @@ STRUCTURED_OUTPUT_FAILED = "structured_output_failed"  # the error code of a Gra
 
 class GrammarViolation(RuntimeError):
     """The matcher refused a sampled token: a mask that was not applied (a bug), or a grammar that outgrew
-    llguidance's limits mid-output. Either way it fails that request alone."""
+    llguidance's limits mid-output; or the grammar cost the batch more than its bound (engine/grammar_clock.py).
+    Either way it fails that request alone."""
 
 
-def _advance_grammar(matcher: Any, token_id: int) -> bool:
-    """Feed a sampled token to the request's matcher; True once the grammar accepts no further token."""
+def _advance_grammar(seq: Sequence, token_id: int) -> bool:
+    """Feed a sampled token to the sequence's matcher; True once the grammar accepts no further token."""
+    matcher = seq.matcher
+    start = time.perf_counter()
     if not matcher.consume_token(token_id):
         raise GrammarViolation(f"token {token_id} breaks the grammar: {matcher_error(matcher)}")
+    overrun = seq.grammar_clock.on_token(time.perf_counter() - start)
+    if overrun is not None:
+        raise GrammarViolation(overrun)
     return matcher.is_stopped()

@@ -10,6 +10,7 @@ import time
 
 from engine.batch import SampledToken
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar_clock import GrammarClock
 from engine.input_processor import PreparedRequest
 from engine.sampling_params import SamplingParams
 from engine.speculative.speculator import SeqSpeculation
@@ -53,6 +54,7 @@ class Sequence:
         # other than the first get their own copy, made while the request's matcher has consumed nothing.
         matcher = request.matcher
         self.matcher = matcher.deep_copy() if matcher is not None and index > 0 else matcher
+        self.grammar_clock = GrammarClock() if matcher is not None else None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids, in order

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import SamplingParams, grammar_clock
 from engine.batch import SamplingRow
 from engine.errors import InvalidRequest
 from engine.grammar_mask import GrammarMasker
@@ -123,6 +123,35 @@ def test_the_longest_choice_list_runs_under_the_parsers_row_limit(llm):
     words = [f" w{i}x" for i in range(MAX_CHOICES)]
     (out,) = llm.generate(["Pick one:"], constrained(choice=words), use_tqdm=False)
     assert out.finish_reason == "stop" and out.text in words
+
+
+def test_the_grammar_clock_counts_every_constrained_token(llm, monkeypatch):
+    """With no time allowed, a constrained request fails at its first token, through the mask's time and the
+    advance's, and the unconstrained one beside it does not."""
+    monkeypatch.setattr(grammar_clock, "FLOOR_SECONDS", -1.0)
+    monkeypatch.setattr(grammar_clock, "MAX_MS_PER_TOKEN", -1.0)
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    failed_request, other = llm.generate(PROMPTS[:2], [constrained(json=SCHEMA), plain], use_tqdm=False)
+    failed = failed_request.outputs[0]
+    assert failed.finish_reason == "error" and failed.error_code == "structured_output_failed"
+    assert "over 1 tokens" in failed.error and failed.token_ids == []  # the token that overran is not sent
+    assert other.finish_reason == "length" and len(other.token_ids) == 8
+
+
+def test_the_grammar_clock_bounds_the_recent_cost_past_a_floor():
+    clock = grammar_clock.GrammarClock()
+    clock.add_mask(0.2)  # a costly first mask (a large schema's lexer) ends nothing
+    assert clock.on_token(0.001) is None
+    for _ in range(200):  # then 1 ms a token: under the bound however long it runs
+        clock.add_mask(0.0009)
+        assert clock.on_token(0.0001) is None
+    assert clock.num_tokens == 201 and clock.seconds == pytest.approx(0.401)
+    overruns = []
+    while not overruns:  # then 20 ms a token: over the bound within a few tokens
+        clock.add_mask(0.02)
+        overruns = [message] if (message := clock.on_token(0.0)) else []
+    assert 201 < clock.num_tokens <= 210 and "ms a token lately (at most 5 ms)" in overruns[0]
+    assert clock.unread_mask_seconds == 0
 
 
 def test_bad_constraint_values_are_invalid_on_construction():

@@ -220,6 +220,13 @@ def test_a_grammar_past_its_parsers_limits_fails_its_request_alone_with_a_400(
     assert response.status_code == 400 and response.json()["error"]["code"] == "structured_output_failed"
     assert metric(http, "sluice_requests_failed_total") == failed_before
     assert metric(http, 'sluice_requests_finished_total{finished_reason="error"}') >= 4
+    # An ambiguous grammar's parse grows with its output, and every request's step waits for it: it fails on the
+    # time it costs (engine/grammar_clock.py), well before llguidance's row limit (~150 tokens, seconds later).
+    ambiguous = {"grammar": 'start: x\nx: "a" | x x | x x x | "a" x'}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="say a", max_tokens=300, extra_body={"structured_outputs": ambiguous})
+    assert refused.value.body["code"] == "structured_output_failed"
+    assert refused.value.body["message"].startswith("structured output failed: evaluating the grammar took ")
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5).choices[0].finish_reason
 
 
