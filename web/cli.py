@@ -14,6 +14,7 @@ from dataclasses import fields
 
 from engine.sampling_params import SamplingParams
 from web.config_flags import add_config_flags, config_from_args
+from web.start_signals import signals_stop_the_start
 
 USAGE = """sluice <command> [flags]
 
@@ -32,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        from web.server import main as serve_main
+        with signals_stop_the_start():  # the server's imports; its main() covers the rest of the start
+            from web.server import main as serve_main
 
         return serve_main(rest, prog="sluice serve")
     if command == "generate":

@@ -24,6 +24,7 @@ from web.asgi import SluiceASGI, build_engine, build_host, configured, exit_code
 
 __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "serve_host"]
 from web.config_flags import add_config_flags, config_from_args
+from web.start_signals import signals_stop_the_start
 
 
 # SO_SNDBUF of the listening socket, which the connections it accepts inherit (Linux doubles it): what the server's
@@ -85,6 +86,15 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> int:
+    with signals_stop_the_start():
+        started = start(argv, prog)
+    if isinstance(started, int):
+        return started
+    return anyio.run(serve_host, *started)
+
+
+def start(argv: list[str] | None, prog: str) -> tuple[SluiceASGI, HypercornConfig] | int:
+    """The host to serve and Hypercorn's config, or the exit code of a start that failed."""
     config = configured(lambda: config_from_args(parse_args(argv, prog)))
     bind = hypercorn_config(config.server)
     try:  # Hypercorn's own binding, tried before the model loads (a taken port, an address not of this host)
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> i
     if not config.server.api_keys and not _is_loopback(config.server.host):
         logger.warning("listening on %s with no api_key: whoever reaches this port can use the model",
                        config.server.host)  # fmt: skip
-    return anyio.run(serve_host, build_host(config), bind)
+    return build_host(config), bind
 
 
 def _is_loopback(host: str) -> bool:

@@ -229,6 +229,31 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir, signum
             process.wait()
 
 
+def catches(pid: int, signum: signal.Signals) -> bool:
+    """Whether the process has a handler of its own for signum (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_while_the_server_starts_ends_it_with_one_line_and_exit_zero(tiny_llama_dir, signum) -> None:
+    """From the first import of `sluice serve` to the server's own handlers: SIGTERM and SIGHUP killed the process
+    by the signal (exit -15, -1), SIGINT printed a KeyboardInterrupt traceback (or aborted inside torch's import)."""
+    command = [sys.executable, "-m", "web.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(free_port())]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: process.poll() is not None or catches(process.pid, signal.SIGTERM), timeout=30, interval=0.005)
+        process.send_signal(signum)
+        assert process.wait(timeout=30) == 0
+        log = process.stdout.read().decode()
+        assert log.strip().endswith(f"{signum.name}: stopped before the server started") and "Traceback" not in log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 # The server with every forward pass 50 ms slower, so that streams are still running when the signals come.
 SLOW_SERVER = """
 import sys, time
