@@ -5,8 +5,8 @@ A request's way: reserve() takes admission slots (or raises QueueFull, a 429) be
 is answered at once and never queues unbounded in front of the tokenizer; prepare_*() tokenizes and checks in
 a worker thread; Reservation.generate(prepared) (or generate(prepared), which reserves one slot itself) queues
 it and returns its OutputStream, whose closing aborts it (engine/request.py has the Request's states and the
-reader's contract). max_pending bounds the slots held: requests being prepared plus those queued for the
-scheduler.
+reader's contract). The slots held, requests being prepared plus those queued for the scheduler, are bounded by
+max_pending plus the scheduler's free places (max_num_seqs not yet taken).
 
 Every request the shell knows of is a Request in one registry, `_requests`, keyed by id, in admission order:
 queued, running, or ended from outside (abort, drain) but not yet freed by the LLMEngine, which the loop does
@@ -143,7 +143,7 @@ class AsyncEngine:
         self.client_read_timeout = client_read_timeout
         self._on_forward_abandoned = on_forward_abandoned
         self._requests: dict[str, Request] = {}  # the registry (see the module docstring); insertion = admission order
-        self._num_slots_held = 0  # admission slots: requests being prepared or queued (at most max_pending)
+        self._num_slots_held = 0  # admission slots: requests being prepared or queued (see reserve)
         self._has_ended_in_engine = False  # some registered request ended from outside: the loop frees it
         self._wakeup = anyio.Event()
         self._stop_requested = False
@@ -223,9 +223,14 @@ class AsyncEngine:
         return await self._inputs.run(partial(processor.decode, token_ids), prompt_size(token_ids))
 
     def reserve(self, num_requests: int = 1) -> Reservation:
-        """Hold admission slots for requests about to be prepared. QueueFull: 429; EngineUnavailable: 503."""
-        self._ready_engine()
-        if self._num_slots_held + num_requests > self.max_pending:
+        """Hold admission slots for requests about to be prepared. QueueFull: 429; EngineUnavailable: 503.
+
+        The slots are max_pending plus the scheduler's free places, which the loop fills between steps: a burst
+        that arrives during a step waits for those places, and only what would wait beyond them counts against
+        max_pending (a burst of 100 with 64 free places and max_pending 16 got 68 429s)."""
+        engine = self._ready_engine()
+        num_free_seats = max(0, engine.config.max_num_seqs - engine.num_seats)
+        if self._num_slots_held + num_requests > self.max_pending + num_free_seats:
             raise QueueFull(f"{self._num_slots_held} requests are already waiting for admission")
         self._num_slots_held += num_requests
         return Reservation(self, num_requests)

@@ -126,7 +126,7 @@ async def test_slots_are_reserved_before_preparation_and_given_back_unspent(make
     """The 429 is decided before any tokenizing: requests being prepared hold their slots, and a request that
     fails its checks (or whose client leaves) returns its unspent ones."""
     engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
-    async with running(engine, max_pending=3) as async_engine:
+    async with running(engine, max_pending=2) as async_engine:  # 3 slots: max_pending and the scheduler's free place
         with async_engine.reserve(2) as reservation:
             assert async_engine.stats().pending == 2
             with pytest.raises(QueueFull):
@@ -145,6 +145,29 @@ async def test_slots_are_reserved_before_preparation_and_given_back_unspent(make
         await async_engine.drain(timeout=5)
         with pytest.raises(EngineUnavailable):
             async_engine.reserve(1)
+
+
+async def test_a_burst_fills_the_schedulers_free_places_before_max_pending(make_engine) -> None:
+    """Requests that come during a step wait for the loop to take them between steps: the scheduler's free places
+    take a burst first, and only what would wait beyond them counts against max_pending (a burst of 100 with 64
+    free places and max_pending 16 got 68 429s)."""
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=64)
+    slow_steps(engine, 0.02)
+    async with running(engine, max_pending=2) as async_engine:
+        streams = [async_engine.generate(prepared(engine, f"b{i}", "Hello", max_tokens=3, **GREEDY)) for i in range(6)]
+        with pytest.raises(QueueFull):  # 4 free places + max_pending 2
+            async_engine.generate(prepared(engine, "b6", "Hello", max_tokens=3))
+        assert async_engine.stats().pending == 6
+        with anyio.fail_after(5):
+            while async_engine.stats().running < 4:
+                await anyio.sleep(0.005)
+        assert async_engine.stats().pending == 2  # the loop took 4; the scheduler is full, max_pending is full
+        with pytest.raises(QueueFull):
+            async_engine.generate(prepared(engine, "b7", "Hello", max_tokens=3))
+        for stream in streams:
+            assert (await collect(stream))[-1].finish_reason == "length"
+        assert async_engine.stats().pending == 0
+    assert engine.num_free_blocks == engine.num_total_blocks
 
 
 async def test_a_queued_abort_frees_its_admission_slot_at_once(make_engine) -> None:
