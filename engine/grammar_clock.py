@@ -8,7 +8,8 @@ tokens before llguidance's row limit ended it). A sequence whose grammar has cos
 more than MAX_MS_PER_TOKEN a token lately fails alone, as a grammar past llguidance's limits does.
 
 The worker thread adds a step's mask time (`add_mask`); the event-loop thread reads it after the step, when it
-advances the matcher (`on_token`): never both at once.
+advances the matcher (`on_token`): never both at once. Both measure the thread's CPU time, not the wall's: on a
+machine whose cores other processes take, an ordinary grammar's wall time per token can grow many times over.
 """
 
 from __future__ import annotations

@@ -49,14 +49,14 @@ class GrammarMasker:
         address = bitmask.data_ptr()
         for j, i in enumerate(constrained):
             matcher, lookahead, clock = rows[i].matcher, rows[i].matcher_lookahead, rows[i].grammar_clock
-            start = time.perf_counter()
+            start = time.thread_time()
             if lookahead and not matcher.consume_tokens(list(lookahead)):
                 raise RuntimeError(f"the grammar refused drafts it had validated: {matcher.get_error()}")
             matcher.unsafe_compute_mask_ptr(address + j * row_bytes, row_bytes)
             if lookahead:
                 matcher.rollback(len(lookahead))
             if clock is not None:
-                clock.add_mask(time.perf_counter() - start)
+                clock.add_mask(time.thread_time() - start)
         bias = self._byte_bias.index_select(0, bitmask.view(torch.uint8).flatten().long()).view(num_rows, -1)
         bias = bias[:, :vocab]
         if num_rows == len(rows):

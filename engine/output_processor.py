@@ -93,10 +93,10 @@ class GrammarViolation(RuntimeError):
 def _advance_grammar(seq: Sequence, token_id: int) -> bool:
     """Feed a sampled token to the sequence's matcher; True once the grammar accepts no further token."""
     matcher = seq.matcher
-    start = time.perf_counter()
+    start = time.thread_time()
     if not matcher.consume_token(token_id):
         raise GrammarViolation(f"token {token_id} breaks the grammar: {matcher_error(matcher)}")
-    overrun = seq.grammar_clock.on_token(time.perf_counter() - start)
+    overrun = seq.grammar_clock.on_token(time.thread_time() - start)
     if overrun is not None:
         raise GrammarViolation(overrun)
     return matcher.is_stopped()
