@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        with signals_stop_the_start():  # the server's imports; its main() covers the rest of the start
-            from web.server import main as serve_main
+        signals_stop_the_start()  # from the server's imports on (web/start_signals.py)
+        from web.server import main as serve_main
 
         return serve_main(rest, prog="sluice serve")
     if command == "generate":

@@ -24,7 +24,7 @@ from web.asgi import SluiceASGI, build_engine, build_host, configured, exit_code
 
 __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "serve_host"]
 from web.config_flags import add_config_flags, config_from_args
-from web.start_signals import signals_stop_the_start
+from web.start_signals import signals_ignored_while_exiting, signals_stop_the_start
 
 
 # SO_SNDBUF of the listening socket, which the connections it accepts inherit (Linux doubles it): what the server's
@@ -86,11 +86,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m web.server"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> int:
-    with signals_stop_the_start():
-        started = start(argv, prog)
+    signals_stop_the_start()  # until the server's lifespan takes the signals over (web/start_signals.py)
+    started = start(argv, prog)
     if isinstance(started, int):
         return started
-    return anyio.run(serve_host, *started)
+    code = anyio.run(serve_host, *started)
+    signals_ignored_while_exiting()
+    return code
 
 
 def start(argv: list[str] | None, prog: str) -> tuple[SluiceASGI, HypercornConfig] | int:

@@ -254,6 +254,28 @@ def test_a_signal_while_the_server_starts_ends_it_with_one_line_and_exit_zero(ti
             process.wait()
 
 
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_while_an_idle_server_exits_does_not_kill_it(tiny_llama_dir, second) -> None:
+    """An idle drain ends in milliseconds, and the interpreter's teardown after it (Python's handlers reset to the
+    defaults) took the second Ctrl-C as a kill: exit -2, once a traceback."""
+    port = free_port()
+    command = [sys.executable, "-m", "web.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "SLUICE_ACCESS_LOG": "false"})  # fmt: skip
+    try:
+        wait_until(lambda: health(f"http://127.0.0.1:{port}")[0] == 200 or process.poll() is not None, timeout=120)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.15)
+        process.send_signal(second)
+        assert process.wait(timeout=30) == 0
+        log = process.stdout.read().decode()
+        assert "SIGINT: draining" in log and "Traceback" not in log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 # The server with every forward pass 50 ms slower, so that streams are still running when the signals come.
 SLOW_SERVER = """
 import sys, time
