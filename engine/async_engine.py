@@ -222,16 +222,19 @@ class AsyncEngine:
         processor = self._ready_engine().input_processor
         return await self._inputs.run(partial(processor.decode, token_ids), prompt_size(token_ids))
 
-    def reserve(self, num_requests: int = 1) -> Reservation:
-        """Hold admission slots for requests about to be prepared. QueueFull: 429; EngineUnavailable: 503.
+    def reserve(self, num_requests: int = 1, num_choices: int = 1) -> Reservation:
+        """Hold admission slots for requests about to be prepared (num_choices each: their n). QueueFull: 429;
+        EngineUnavailable: 503.
 
-        The slots are max_pending plus the scheduler's free places, which the loop fills between steps: a burst
-        that arrives during a step waits for those places, and only what would wait beyond them counts against
-        max_pending (a burst of 100 with 64 free places and max_pending 16 got 68 429s)."""
+        The slots are max_pending plus the requests the scheduler's free places take (n places each), which the
+        loop fills between steps: a burst that arrives during a step waits for those places, and only what would
+        wait beyond them counts against max_pending (a burst of 100 with 64 free places and max_pending 16 got 68
+        429s)."""
         engine = self._ready_engine()
-        num_free_seats = max(0, engine.config.max_num_seqs - engine.num_seats)
-        if self._num_slots_held + num_requests > self.max_pending + num_free_seats:
-            raise QueueFull(f"{self._num_slots_held} requests are already waiting for admission")
+        num_free_places = max(0, engine.config.max_num_seqs - engine.num_seats) // max(1, num_choices)
+        if self._num_slots_held + num_requests > self.max_pending + num_free_places:
+            raise QueueFull(f"{self._num_slots_held} requests are already waiting for the scheduler's free places "
+                            f"({num_free_places} for this request now) and max_pending ({self.max_pending}) more")  # fmt: skip
         self._num_slots_held += num_requests
         return Reservation(self, num_requests)
 

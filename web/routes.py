@@ -46,7 +46,8 @@ async def chat_completions() -> Response:
         params = replace(params, structured_outputs=plan.structured_outputs)
     if plan.syntax is not None:
         fmt.read_tool_calls(plan.syntax)
-    with admit(s, entry, 1) as reservation:
+    check_num_sequences(s, 1, params.n)
+    with admit(s, entry, 1, params.n) as reservation:
         with named_as_sent(body.wire_names()), plan.errors_named():
             template_kwargs = {**plan.template_kwargs, **body.template_options()}
             prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **template_kwargs)
@@ -62,13 +63,8 @@ async def completions() -> Response:
     fmt = CompletionResponses(s.check_model(body.model), s.token_text, body.logprobs is not None, body.include_usage,
                               body.continuous_usage)
     prompts = body.prompts()
-    # One request runs no more sequences than the admission queue holds requests: a list of prompts times n would
-    # otherwise let one client put thousands of sequences ahead of everyone else.
-    if len(prompts) * params.n > s.config.max_pending:
-        what = f"{len(prompts)} prompts x n = {params.n}" if params.n > 1 else f"{len(prompts)} prompts"
-        raise APIError(400, f"{what}: at most max_pending ({s.config.max_pending}) sequences per request",
-                       param="n" if params.n > 1 else "prompt")  # fmt: skip
-    with admit(s, entry, len(prompts)) as reservation:
+    check_num_sequences(s, len(prompts), params.n)
+    with admit(s, entry, len(prompts), params.n) as reservation:
         if len(prompts) == 1 and not body.echo:
             with named_as_sent(body.wire_names()):
                 prepared = await s.engine.prepare_prompt(fmt.id, prompts[0], params)
@@ -184,10 +180,20 @@ async def generate_batch(
     return results
 
 
-def admit(s: Services, entry: float, num_requests: int) -> Reservation:
-    """The admission decision, before any tokenizing: slots held for the request's prompts, or a 429 now."""
+def check_num_sequences(s: Services, num_prompts: int, n: int) -> None:
+    """One request runs no more sequences than the admission queue holds requests: a list of prompts times n would
+    otherwise let one client put thousands of sequences ahead of everyone else (chat and completions alike)."""
+    if num_prompts * n > s.config.max_pending:
+        what = f"{num_prompts} prompts x n = {n}" if num_prompts > 1 else f"n = {n}" if n > 1 else f"{num_prompts} prompts"
+        raise APIError(400, f"{what}: at most max_pending ({s.config.max_pending}) sequences per request",
+                       param="n" if n > 1 else "prompt")  # fmt: skip
+
+
+def admit(s: Services, entry: float, num_requests: int, num_choices: int = 1) -> Reservation:
+    """The admission decision, before any tokenizing: slots held for the request's prompts (n choices each), or a
+    429 now."""
     try:
-        reservation = s.engine.reserve(num_requests)
+        reservation = s.engine.reserve(num_requests, num_choices)
     except QueueFull as error:
         s.metrics.admission.observe(time.perf_counter() - entry)
         s.metrics.rejected.inc()

@@ -170,6 +170,19 @@ async def test_a_burst_fills_the_schedulers_free_places_before_max_pending(make_
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+async def test_the_free_places_admit_requests_by_their_choices(make_engine) -> None:
+    """A request of n choices takes n of the scheduler's free places: 4 free places take one request of n = 4,
+    not four (a burst of n = 8 requests once left 11 waiting against max_pending 4)."""
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=64)
+    async with running(engine, max_pending=1) as async_engine:
+        with async_engine.reserve(1, num_choices=4), async_engine.reserve(1, num_choices=4):
+            with pytest.raises(QueueFull) as full:
+                async_engine.reserve(1, num_choices=4)
+            assert "(1 for this request now) and max_pending (1) more" in str(full.value)
+        with async_engine.reserve(5):  # one choice each: the 4 places and max_pending
+            pass
+
+
 async def test_a_queued_abort_frees_its_admission_slot_at_once(make_engine) -> None:
     engine = make_engine(max_num_seqs=1, max_num_batched_tokens=64)
     slow_steps(engine, 0.01)

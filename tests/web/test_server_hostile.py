@@ -247,6 +247,15 @@ def test_a_client_that_never_reads_is_aborted_and_disconnected(server: ThreadedS
             sock.close()
 
 
+def test_a_chat_request_holds_no_more_choices_than_the_queue_holds_requests(http: httpx.Client) -> None:
+    """As /v1/completions: n over max_pending (2) is refused (chat took n = 3 and held 3 sequences on one slot)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = http.post("/v1/chat/completions", json={**body, "n": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n", refused.text
+    assert "n = 3: at most max_pending (2) sequences per request" in refused.json()["error"]["message"]
+    assert len(http.post("/v1/chat/completions", json={**body, "n": 2}).json()["choices"]) == 2
+
+
 def test_a_doubled_slash_is_a_json_404_not_a_redirect_to_the_clients_host(http: httpx.Client) -> None:
     response = http.post("/v1//completions", json=SHORT, headers={"host": "evil.example"})
     assert response.status_code == 404 and "location" not in response.headers

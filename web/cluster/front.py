@@ -158,9 +158,10 @@ class ClusterEngine:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._inputs.run(partial(self._ready().decode, token_ids), prompt_size(token_ids))
 
-    def reserve(self, num_requests: int = 1) -> Reservation:
+    def reserve(self, num_requests: int = 1, num_choices: int = 1) -> Reservation:
         """Slots for requests about to be prepared: a replica takes max_num_seqs running plus max_pending
-        queued, as one process does; QueueFull (429) when the ready replicas together have no room."""
+        queued, as one process does; QueueFull (429) when the ready replicas together have no room. Counted in
+        requests (num_choices is the one process's refinement: its free places are known to it alone)."""
         self._ready()
         capacity = self._places_per_replica * sum(s.is_ready for s in self._slots)
         num_held = len(self._requests) + self._num_reserved
