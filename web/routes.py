@@ -184,7 +184,7 @@ def check_num_sequences(s: Services, num_prompts: int, n: int) -> None:
     """One request runs no more sequences than the admission queue holds requests: a list of prompts times n would
     otherwise let one client put thousands of sequences ahead of everyone else (chat and completions alike)."""
     if num_prompts * n > s.config.max_pending:
-        what = f"{num_prompts} prompts x n = {n}" if num_prompts > 1 else f"n = {n}" if n > 1 else f"{num_prompts} prompts"
+        what = " x ".join(([f"{num_prompts} prompts"] if num_prompts > 1 else []) + ([f"n = {n}"] if n > 1 else []))
         raise APIError(400, f"{what}: at most max_pending ({s.config.max_pending}) sequences per request",
                        param="n" if n > 1 else "prompt")  # fmt: skip
 

@@ -254,6 +254,8 @@ def test_a_chat_request_holds_no_more_choices_than_the_queue_holds_requests(http
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "n", refused.text
     assert "n = 3: at most max_pending (2) sequences per request" in refused.json()["error"]["message"]
     assert len(http.post("/v1/chat/completions", json={**body, "n": 2}).json()["choices"]) == 2
+    prompts = http.post("/v1/completions", json={**SHORT, "prompt": ["a", "b", "c"]}).json()["error"]["message"]
+    assert prompts.startswith("3 prompts: at most max_pending (2)"), prompts  # was "3 prompts x n = 1" mid-change
 
 
 def test_a_doubled_slash_is_a_json_404_not_a_redirect_to_the_clients_host(http: httpx.Client) -> None:
