@@ -198,13 +198,15 @@ def _joined(pieces: list, n: int, bias: torch.Tensor | None = None):
     if isinstance(first, Q8LayerPacked):
         joined["minv"] = torch.empty(0)
         if any(p.minv.numel() for p in pieces):
-            joined["minv"] = torch.cat([p.minv if p.minv.numel() else torch.zeros(p.scale.numel() // 2) for p in pieces])
+            joined["minv"] = torch.cat([p.minv if p.minv.numel() else torch.zeros(p.qs.numel() // 32) for p in pieces])
     return type(first)(**joined, n=n, bias=bias if bias is not None else torch.empty(0))
 
 
 def _can_join(a: Q4Packed | Q8LayerPacked | Q6Packed, b: Q4Packed | Q8LayerPacked | Q6Packed) -> bool:
     if type(a) is not type(b):
         return False
+    if isinstance(a, Q8LayerPacked):
+        return a.scale_group == b.scale_group  # type: ignore[union-attr]
     return not isinstance(a, Q4Packed) or a.scale.dtype == b.scale.dtype  # type: ignore[union-attr]
 
 

@@ -45,11 +45,16 @@ class Q8LayerPacked:
     """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits."""
 
     qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2], as Q8Packed's
-    scale: torch.Tensor  # float32 [N/16 * K/16 * 16]: one per 16 weights along K
+    scale: torch.Tensor  # float32 [N/16 * K/32 * 16]: one per 32 weights along K, or [N/16 * K/16 * 16] (Q6_K's 16)
     minv: torch.Tensor  # float32 [N/16 * K/32 * 16], or empty (symmetric grids)
     bias: torch.Tensor  # float32 [N], or empty
     n: int
     layout = "q8l"
+
+    @property
+    def scale_group(self) -> int:
+        """The weights each scale serves along K: 32, or 16 (Q6_K's)."""
+        return self.qs.numel() // self.scale.numel()
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.qs, self.scale, self.minv, self.bias]
@@ -218,11 +223,11 @@ def pack_q8_grid(q: torch.Tensor, scale: torch.Tensor) -> Q8Packed:
 def pack_q8_layer_grid(
     q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bias: torch.Tensor | None
 ) -> Q8LayerPacked:
-    """q [N, K] within int8, scale [N, K/16] or [N, K/32] (a group-32 grid: each scale serves both halves), minv
-    [N, K/32] or None; all exact in float32, as the file's grid is."""
+    """q [N, K] within int8, scale [N, K/32] or [N, K/16], minv [N, K/32] or None; all exact in float32, as the
+    file's grid is."""
     n, k = q.shape
-    if scale.shape[1] == k // GROUP:
-        scale = scale.repeat_interleave(2, dim=1)
+    if scale.shape[1] not in (k // GROUP, k // 16):
+        raise ValueError(f"a Q8 layer grid's scale is one per 32 or 16 weights, not {tuple(scale.shape)} for K = {k}")
     padded = -(-n // TILE) * TILE
     q8 = _pad_rows(q.to(torch.int8), padded)
     pairs = q8.view(-1, TILE, k // 2, 2).transpose(1, 2).contiguous().view(-1)  # [Np/16, K/2, 16, 2]

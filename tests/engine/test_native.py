@@ -328,19 +328,29 @@ def test_q6_and_super_block_layouts_give_the_same_bits_on_every_simd_variant() -
 
 
 def test_q8_layer_kernels_give_the_same_bits_on_every_simd_variant() -> None:
-    """16 lanes and 8: the same integer sums, the same float operations per lane (baseline x86-64 has no FMA)."""
+    """16 lanes and 8, int16 (vpdpwssd, pmaddwd) and int8 activations (AVX-512 multiplies their bytes plus 128 with
+    vpdpbusd): the same integer sums and the same float operations per lane (baseline x86-64 has no FMA). Scales
+    per 32 (Q5_0; Q5_1 with minimums and a bias; Q8_0 down to -128) and per 16 (Q6_K); 1, 4 and 13 rows."""
     isas = [isa for isa in SIMD_ISAS if isa in available_isas()]
     if len(isas) < 2:
         pytest.skip("this CPU runs only one of avx512, avxvnni and avx2")
     rng = np.random.default_rng(6)
-    grid = grid_of(StoredTensor((64, 256), "Q6_K", lambda: random_blocks(rng, "Q6_K", 64, 256)))
-    packed = pack_q8_layer_grid(torch.from_numpy(grid.q), torch.from_numpy(grid.scale), None, None)
-    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(6))
+    gen = torch.Generator().manual_seed(6)
+    specs = []
+    for type_name in ("Q5_0", "Q5_1", "Q8_0", "Q6_K"):
+        grid = random_grid(rng, type_name, 64, 256)
+        q = torch.from_numpy(grid.q)
+        if type_name == "Q8_0":
+            q[5, :32] = -128
+        minv = None if grid.minv is None else torch.from_numpy(grid.minv)
+        bias = torch.randn(64, generator=gen) if type_name == "Q5_1" else None
+        specs.append(linear_spec(pack_q8_layer_grid(q, torch.from_numpy(grid.scale), minv, bias)))
+    x = torch.randn(13, 256, generator=gen)
     outputs = []
     for isa in isas:
         with on_isa(isa):
-            outputs.append(ops.linear(x, linear_spec(packed), 64))
-    assert all(torch.equal(outputs[0], y) for y in outputs[1:])
+            outputs.append([y for spec in specs for m in (1, 4, 13) for y in both_precisions(x[:m], spec, 64)])
+    assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))
 
 
 def test_q4_and_q8_kernels_give_the_same_bits_on_every_simd_variant_in_both_precisions() -> None:

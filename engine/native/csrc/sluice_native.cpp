@@ -291,6 +291,7 @@ struct Kernels {
   decltype(&isa_base::q8_gemm) q8_gemm;
   decltype(&isa_base::q8_gemm_i8) q8_gemm_i8;
   decltype(&isa_base::q8l_gemm) q8l_gemm;
+  decltype(&isa_base::q8l_gemm_i8) q8l_gemm_i8;
   decltype(&isa_base::q6_gemm) q6_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
@@ -313,9 +314,9 @@ struct Kernels {
 #define SLUICE_KERNELS(ns)                                                                                        \
   Kernels {                                                                                                       \
     #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8_gemm_i8, ns::q8l_gemm,       \
-        ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, ns::rope, ns::store_k_f32, \
-        ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::attend_pair_f32, ns::attend_pair_bf16,             \
-        ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row, ns::argmax_row                          \
+        ns::q8l_gemm_i8, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, ns::rope, \
+        ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::attend_pair_f32,                  \
+        ns::attend_pair_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row, ns::argmax_row    \
   }
 
 bool cpu_has_avx512() {
@@ -417,6 +418,14 @@ struct QuantizedRows {
   }
 };
 
+// int8 activation values as the unsigned bytes vpdpbusd multiplies: q + 128 (the kernels take 128 times the
+// weights' sum off again); empty for int16 activations.
+Scratch<unsigned char> biased_bytes(const QuantizedRows& rows, bool is_int8) {
+  Scratch<unsigned char> xu(is_int8 ? rows.xq.size() : 0);
+  for (size_t i = 0; i < xu.size(); i++) xu[i] = (unsigned char)(rows.xq[i] + 128);
+  return xu;
+}
+
 // An optional float32 tensor of n values (empty: absent) as a pointer, or nullptr.
 const float* optional_f32(const at::Tensor& t, int64_t n, const char* what) {
   if (!t.defined() || !t.numel()) return nullptr;
@@ -477,10 +486,12 @@ struct Q4Linear {
 };
 
 // A layer's linear in the Q8 layer layout of kernels.inc (q8l_micro), [qs, scale, minv, bias]: the file's own grid
-// for the types whose q needs more than 4 bits (Q5_x, Q8_0); minv and bias optional (empty tensors).
+// for the types whose q needs more than 4 bits (Q5_x, Q8_0); minv and bias optional (empty tensors). The scale's
+// size tells its group: one per 32 weights (Q5_x, Q8_0) or per 16 (Q6_K's).
 struct Q8Linear {
   std::vector<at::Tensor> t;
   int K = 0, N = 0;
+  int scale_group = 32;
   const float *minv_data = nullptr, *bias_data = nullptr;  // checked once, here
 
   Q8Linear() = default;
@@ -489,7 +500,8 @@ struct Q8Linear {
     const int64_t tiles = (N + 15) / 16;
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q8 linear: K must be a positive multiple of 32");
     check_tensor(t[0], at::kChar, tiles * K * 16, "Q8 linear: qs");
-    check_tensor(t[1], at::kFloat, tiles * (K / 16) * 16, "Q8 linear: scale");
+    scale_group = t[1].numel() == tiles * (K / 16) * 16 ? 16 : 32;
+    check_tensor(t[1], at::kFloat, tiles * (K / scale_group) * 16, "Q8 linear: scale");
     minv_data = optional_f32(t[2], tiles * (K / 32) * 16, "Q8 linear: minv");
     bias_data = optional_f32(t[3], N, "Q8 linear: bias");
   }
@@ -497,11 +509,16 @@ struct Q8Linear {
   void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
+    const Scratch<unsigned char> xu = biased_bytes(rows, is_int8);
     const signed char* q = t[0].data_ptr<signed char>();
     const float* s = t[1].data_ptr<float>();
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
-      kern.q8l_gemm(q, s, minv_data, K, N, bias_data, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy,
-                    (int)t0, (int)t1);
+      if (is_int8)
+        kern.q8l_gemm_i8(q, s, minv_data, scale_group, K, N, bias_data, rows.xq.data(), xu.data(), rows.sx.data(),
+                         rows.xsum.data(), M, y, ldy, (int)t0, (int)t1);
+      else
+        kern.q8l_gemm(q, s, minv_data, scale_group, K, N, bias_data, rows.xq.data(), rows.sx.data(),
+                      rows.xsum.data(), M, y, ldy, (int)t0, (int)t1);
     });
   }
 };
@@ -597,8 +614,7 @@ struct Q8Matrix {
     const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    Scratch<unsigned char> xu(is_int8 ? rows.xq.size() : 0);
-    for (size_t i = 0; i < xu.size(); i++) xu[i] = (unsigned char)(rows.xq[i] + 128);
+    const Scratch<unsigned char> xu = biased_bytes(rows, is_int8);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
     const int k = K, n = N;
