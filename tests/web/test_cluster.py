@@ -40,7 +40,7 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def idle(server: ClusterServer) -> bool:
     status, body = health(server.base_url)
     replicas = body.get("replicas", {}).get("replicas", [])
-    return status == 200 and all(
+    return status == 200 and len(replicas) == 2 and all(
         r["ready"] and r["running"] == r["waiting"] == r["in_flight"] == 0 and r["free_kv_blocks"] == r["total_kv_blocks"]
         for r in replicas
     )
@@ -219,6 +219,7 @@ def test_a_killed_replica_ends_its_own_streams_and_the_other_finishes(cluster: C
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
         statuses = [client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code for _ in range(4)]
     assert statuses == [200] * 4
+    wait_until(lambda: idle(cluster), timeout=30)
 
 
 def finished(cluster: ClusterServer) -> int:
@@ -230,6 +231,9 @@ def finished(cluster: ClusterServer) -> int:
 
 def test_sigterm_drains_the_streams_on_every_replica(cluster: ClusterServer) -> None:
     body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True}
+    # both replicas ready and idle as the front sees them (after the kill-and-replace test, the replacement's load
+    # is a poll away): else the 16 streams may all go to one replica
+    wait_until(lambda: idle(cluster), timeout=30)
     finished_before = finished(cluster)
     with httpx.Client(base_url=cluster.base_url, timeout=120) as client, ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(stream_events, client, body) for _ in range(16)]
