@@ -8,7 +8,8 @@ For each variant the CPU can run (engine/native: avx512, avxvnni, avx2, baseline
 - the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) with int16 activations
   ("q4", precision "exact") and int8 ones ("q4i8", precision "int8", against the int8 peak), the down projection
   in the layouts of a downloaded file's other types ("q4f": float32 scales, "q8l": Q5_x / Q8_0, with int16
-  activations; "q4k": Q4_K's own 6-bit scales per super-block, "q6": Q6_K, with int8 activations), the
+  activations; "q8li8": Q5_x / Q8_0, "q4k": Q4_K's own 6-bit scales per super-block, "q6": Q6_K, with int8
+  activations), the
   Q8_0 lm_head (576 -> 49152), for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s
   and % of the read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
@@ -36,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 DEFAULT_ROWS = (1, 8, 32, 128, 512)
-INT8_KINDS = ("q4i8", "q4k", "q6", "q8i8")  # the kinds measured with int8 activations
+INT8_KINDS = ("q4i8", "q4k", "q6", "q8li8", "q8i8")  # the kinds measured with int8 activations
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152  # SmolLM2-135M
 
 
@@ -46,8 +47,8 @@ class Shape:
     k: int
     n: int
     # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8"), "q4f" (the Q4 layout with float32
-    # scales), "q8l" (the Q8 layer layout: Q5_x / Q8_0 layers), "q4k" (Q4_K's super-block scales, int8), "q6" (Q6_K,
-    # int8), "q8" (the lm_head) or "q8i8" (the lm_head in precision "int8")
+    # scales), "q8l" (the Q8 layer layout: Q5_x / Q8_0 layers) or "q8li8" (the same, int8), "q4k" (Q4_K's super-block
+    # scales, int8), "q6" (Q6_K, int8), "q8" (the lm_head) or "q8i8" (the lm_head in precision "int8")
     kind: str
 
 
@@ -140,7 +141,7 @@ def packed_layer(kind: str, w: torch.Tensor):
     if kind == "q4f":
         q, scale, minv = q4_grid(w)
         return pack_q4_grid(q, scale * (1 + 2.0**-15), minv, None)
-    if kind == "q8l":
+    if kind in ("q8l", "q8li8"):
         return pack_q8_layer_grid(*q8_grid(w), None, None)
     return pack_q4(w, None)
 
@@ -154,7 +155,8 @@ def packed_gemm(ops, kind: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor
     if kind in ("q8", "q8i8"):
         p8 = pack_q8(w)
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2
-        return (lambda x: ops.q8_linear(x, p8.qs, p8.scale, n, is_int8=kind == "q8i8")), weight_bytes
+        sums = ops.q8_weight_sums(p8.qs, w.shape[1])  # as the model's lm_head holds them
+        return (lambda x: ops.q8_linear(x, p8.qs, p8.scale, n, is_int8=kind == "q8i8", wsum=sums)), weight_bytes
     p = packed_layer(kind, w)
     weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
     return (lambda x: ops.linear(x, linear_spec(p), n, is_int8=kind in INT8_KINDS)), weight_bytes
@@ -241,13 +243,14 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
     try:
         peaks = measure_peaks(ops, opts.quick)
         if opts.quick:
-            shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8", "q8i8")]
+            shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8li8", "q8", "q8i8")]
             shapes += [Shape("small", 256, 96, kind) for kind in ("q4k", "q6")]  # K-quants: K in super-blocks of 256
         else:
             shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
                       Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4i8"), Shape("down", INTERMEDIATE, HIDDEN, "q4i8"),
                       Shape("down", INTERMEDIATE, HIDDEN, "q4f"), Shape("down", INTERMEDIATE, HIDDEN, "q8l"),
-                      Shape("down", INTERMEDIATE, HIDDEN, "q4k"), Shape("down", INTERMEDIATE, HIDDEN, "q6"),
+                      Shape("down", INTERMEDIATE, HIDDEN, "q8li8"), Shape("down", INTERMEDIATE, HIDDEN, "q4k"),
+                      Shape("down", INTERMEDIATE, HIDDEN, "q6"),
                       Shape("lm_head", HIDDEN, VOCAB, "q8"), Shape("lm_head", HIDDEN, VOCAB, "q8i8")]  # fmt: skip
         results = []
         for shape in shapes:
@@ -263,8 +266,8 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
 def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
     print(f"\n{variant}: register-only multiply-add peak {peaks.madds / 1e9:.1f} G/s (int8: {peaks.madds_int8 / 1e9:.1f}), "
           f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8, "
-          f"q4f = float32 scales, q8l = the Q8 layer layout (Q5_x, Q8_0); int8: q4k = Q4_K's own scales, q6 = Q6_K, "
-          f"q8i8 = the lm_head")
+          f"q4f = float32 scales, q8l = the Q8 layer layout (Q5_x, Q8_0); int8: q8li8 = the same, q4k = Q4_K's own "
+          f"scales, q6 = Q6_K, q8i8 = the lm_head")
     header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
     lines = []
     for r in rows:
