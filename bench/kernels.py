@@ -155,8 +155,7 @@ def packed_gemm(ops, kind: str, w: torch.Tensor) -> tuple[Callable[[torch.Tensor
     if kind in ("q8", "q8i8"):
         p8 = pack_q8(w)
         weight_bytes = p8.qs.numel() + p8.scale.numel() * 2
-        sums = ops.q8_weight_sums(p8.qs, w.shape[1])  # as the model's lm_head holds them
-        return (lambda x: ops.q8_linear(x, p8.qs, p8.scale, n, is_int8=kind == "q8i8", wsum=sums)), weight_bytes
+        return (lambda x: ops.q8_linear(x, p8.qs, p8.scale, n, is_int8=kind == "q8i8")), weight_bytes
     p = packed_layer(kind, w)
     weight_bytes = sum(t.numel() * t.element_size() for t in p.tensors() if t is not p.bias)
     return (lambda x: ops.linear(x, linear_spec(p), n, is_int8=kind in INT8_KINDS)), weight_bytes

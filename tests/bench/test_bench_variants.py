@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -31,16 +32,27 @@ def test_a_variant_the_cpu_lacks_is_refused_by_name() -> None:
         bench_variants.main(["--variants", "avx1024", "--turns", "1"])
 
 
-def test_builds_are_loaded_side_by_side_with_a_column_each(monkeypatch, capsys: pytest.CaptureFixture) -> None:
+def test_builds_run_in_processes_of_their_own_with_a_column_each(monkeypatch, tmp_path, capsys) -> None:
+    """Two copies of the build, each in its own process running its own file (in one process Python handed back the
+    first build's module for the second: every comparison measured the first build twice)."""
+    import shutil
+
     from engine.native import BUILD_DIR, MODULE_NAME
 
     monkeypatch.setattr(bench_variants, "TURN_SECONDS", 0.001)
-    build = str(BUILD_DIR / f"{MODULE_NAME}.so")
+    copies = [str(shutil.copy(BUILD_DIR / f"{MODULE_NAME}.so", tmp_path / f"{name}.so")) for name in ("old", "new")]
     best = available_isas(ops)[0]
-    argv = ["--builds", f"{build},{build}", "--variants", best, "--rows", "2", "--turns", "1", "--kernels", "q4i8:down"]
+    argv = ["--builds", ",".join(copies), "--variants", best, "--rows", "2", "--turns", "1", "--kernels", "q4i8:down"]
+    args = argparse.Namespace(kernels="q4i8:down", rows="2")
+    processes = [bench_variants.BuildProcess(path, args, [best]) for path in copies]
+    try:
+        assert [p.module_file for p in processes] == copies and processes[0].turn(0) > 0
+    finally:
+        for p in processes:
+            p.close()
     assert bench_variants.main(argv) == 0
     printed = capsys.readouterr().out
-    assert f"{MODULE_NAME}.so:{best}" in printed
+    assert f"old.so:{best}" in printed and f"new.so:{best}" in printed
     (figures,) = re.findall(r"^q4i8 down\s+2\s+(.*)$", printed, re.MULTILINE)
     rates, ratio = figures.split()[:2], figures.split()[2:]
     assert all(float(r) > 0 for r in rates) and len(ratio) == 1
