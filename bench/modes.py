@@ -54,5 +54,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m bench") -> in
     module = importlib.import_module(MODES[name][0])
     # argparse names a mode's usage after argv[0]: "python -m bench sampler" (or "sluice bench sampler"), not
     # "__main__.py" (or "sluice")
-    sys.argv[0] = prog if name == "load" else f"{prog} {name}"
+    sys.argv[0] = f"{prog} {name}" if args and args[0] == name else prog  # the load generator is also the default
     return module.main(rest) or 0

@@ -275,7 +275,8 @@ def test_bench_help_names_the_command_it_was_called_by() -> None:
     """`sluice bench ... --help` shows `sluice bench ...` usage lines, `python -m bench` its own."""
     for args, usage in ((("bench", "--help"), "usage: sluice bench <mode>"),
                         (("bench", "kernels", "--help"), "usage: sluice bench kernels "),
-                        (("bench", "load", "--help"), "usage: sluice bench [-h]")):  # fmt: skip
+                        (("bench", "load", "--help"), "usage: sluice bench load [-h]"),
+                        (("bench", "--url", "http://127.0.0.1:1", "--help"), "usage: sluice bench [-h]")):  # fmt: skip
         done = sluice(*args)
         assert done.returncode == 0 and done.stdout.startswith(usage), (args, done.stdout[:200], done.stderr[-500:])
     own = subprocess.run([sys.executable, "-m", "bench", "step", "--help"], cwd=REPO, capture_output=True, text=True)
