@@ -83,6 +83,8 @@ def serve_turns(path: str, kernels: str, rows: list[int], variants: list[str], s
 
 
 class BuildProcess:
+    """One build's process under --builds (serve_turns): started, checked to run its own file, asked for turns."""
+
     def __init__(self, path: str, args: argparse.Namespace, variants: list[str]) -> None:
         argv = [sys.executable, "-m", "bench.experiments.variants", "--serve-build", path, "--kernels", args.kernels,
                 "--rows", args.rows, "--variants", ",".join(variants), "--turn-seconds", str(TURN_SECONDS)]  # fmt: skip
