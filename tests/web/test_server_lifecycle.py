@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -236,12 +237,23 @@ def catches(pid: int, signum: signal.Signals) -> bool:
     return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
+def launcher_command(launcher: str, model: Path, port: int) -> list[str]:
+    if launcher == "hypercorn":  # the README's command; the model from SLUICE_MODEL
+        factory = "web.asgi:create_asgi_app()"
+        return [sys.executable, "-m", "hypercorn", "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}", factory]
+    module = ["web.cli", "serve"] if launcher == "sluice serve" else ["web.server"]
+    return [sys.executable, "-m", *module, "--model", str(model), "--port", str(port)]
+
+
+@pytest.mark.parametrize("launcher", ["sluice serve", "web.server", "hypercorn"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_signal_while_the_server_starts_ends_it_with_one_line_and_exit_zero(tiny_llama_dir, signum) -> None:
-    """From the first import of `sluice serve` to the server's own handlers: SIGTERM and SIGHUP killed the process
-    by the signal (exit -15, -1), SIGINT printed a KeyboardInterrupt traceback (or aborted inside torch's import)."""
-    command = [sys.executable, "-m", "web.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(free_port())]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def test_a_signal_while_the_server_starts_ends_it_with_one_line_and_exit_zero(tiny_llama_dir, signum, launcher) -> None:
+    """From the first import of Sluice to the server's own handlers: SIGTERM and SIGHUP killed the process by the
+    signal (exit -15, -1), SIGINT printed a KeyboardInterrupt traceback (or aborted inside torch's import); under
+    `python -m web.server` and the hypercorn command, until their imports (torch's among them) were done."""
+    command = launcher_command(launcher, tiny_llama_dir, free_port())
+    env = {**os.environ, "SLUICE_MODEL": str(tiny_llama_dir)}
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until(lambda: process.poll() is not None or catches(process.pid, signal.SIGTERM), timeout=30, interval=0.005)
         process.send_signal(signum)
