@@ -144,7 +144,7 @@ def _native_backend(checkpoint: Any, config: EngineConfig, max_positions: int, o
                     packing: Future[PackedWeights] | None) -> StepBackend | None:  # fmt: skip
     """The native step if it runs this model in this config, else None; says which and why either way."""
     types = ", ".join(f"{n} x {t}" for t, n in sorted(type_counts(checkpoint.tensors).items()))
-    log.info("model %s: architecture %s, tensors %s", checkpoint.path.name, checkpoint.architecture, types)
+    log.info("model %s: architecture %s, tensors %s", checkpoint.path, checkpoint.architecture, types)
     if ops is None:
         return None
     reason = unsupported_reason(checkpoint.hf_config, checkpoint.tensors)

@@ -59,6 +59,11 @@ class TensorInfo:
     nbytes: int
 
 
+# the fewest bytes a metadata entry (key length, a key byte, value type, a value byte) and a tensor's entry (name
+# length, a name byte, dimension count, a dimension, type, offset) take: a count beyond the file is a damaged header
+_LEAST_ENTRY_BYTES = 8 + 1 + 4 + 1
+_LEAST_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8
+
 # metadata value types with a fixed size (struct formats); 8 = string, 9 = array
 _VALUE_FORMATS = {0: "B", 1: "b", 7: "?", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
 
@@ -98,6 +103,8 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
 
 def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", blob, pos)
+    if pos + 8 + length > len(blob):  # a slice would end at the file's end instead
+        raise struct.error(f"a string of {length:,} bytes at byte {pos:,} runs past the end of the buffer")
     return bytes(blob[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length
 
 
@@ -108,17 +115,31 @@ def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int
     version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (Sluice reads versions 2 and 3)")
+    for count, what, least in ((kv_count, "metadata entries", _LEAST_ENTRY_BYTES), (tensor_count, "tensors", _LEAST_TENSOR_BYTES)):
+        if count * least > len(blob):
+            raise ValueError(f"its header counts {count:,} {what}, more than its {len(blob):,} bytes can hold: the file "
+                             "is truncated (an interrupted download or copy?) or damaged")  # fmt: skip
     pos = 24
     metadata: dict[str, Any] = {}
-    for _ in range(kv_count):
-        key, pos = _read_string(blob, pos)
-        (value_type,) = struct.unpack_from("<I", blob, pos)
-        metadata[key], pos = _read_value(blob, pos + 4, value_type)
+    for i in range(kv_count):
+        at = pos
+        try:
+            key, pos = _read_string(blob, pos)
+            (value_type,) = struct.unpack_from("<I", blob, pos)
+            metadata[key], pos = _read_value(blob, pos + 4, value_type)
+        except UnicodeDecodeError:
+            raise ValueError(f"its header is damaged: metadata entry {i + 1} of {kv_count} (byte {at:,}) holds a string "
+                             "that is not UTF-8") from None  # fmt: skip
     if "general.architecture" not in metadata:
         raise ValueError("no general.architecture in its metadata")
     table = []
-    for _ in range(tensor_count):
-        name, pos = _read_string(blob, pos)
+    for j in range(tensor_count):
+        at = pos
+        try:
+            name, pos = _read_string(blob, pos)
+        except UnicodeDecodeError:
+            raise ValueError(f"its header is damaged: the name of tensor {j + 1} of {tensor_count} (byte {at:,}) is not "
+                             "UTF-8") from None  # fmt: skip
         (num_dims,) = struct.unpack_from("<I", blob, pos)
         dims = struct.unpack_from(f"<{num_dims}Q", blob, pos + 4)
         ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * num_dims)
@@ -151,7 +172,8 @@ class GGUFCheckpoint:
         except (ValueError, OSError, KeyError, struct.error) as exc:  # UnicodeDecodeError is a ValueError
             data = getattr(self, "_file", None)  # unset when the file could not be mapped
             cut = "buffer" in str(exc) and data is not None and bytes(data[:4]) == b"GGUF"
-            why = "it ends inside its header (truncated: an interrupted download or copy?)" if cut else exc
+            why = ("its header runs past the end of the file: the file is truncated (an interrupted download or copy?) "
+                   "or damaged") if cut else exc  # fmt: skip
             raise ValueError(f"cannot read {path} as a GGUF file: {why}") from exc
         num_splits = int(self.metadata.get("split.count", 1))
         if num_splits > 1:  # llama.cpp's split files: each holds some of the tensors
@@ -182,7 +204,7 @@ class GGUFCheckpoint:
         start = self._data_start + info.offset
         if start + info.nbytes > len(self._file):
             raise ValueError(
-                f"{self.path.name} is truncated: tensor {info.name!r} ends at byte {start + info.nbytes:,}, "
+                f"{self.path} is truncated: tensor {info.name!r} ends at byte {start + info.nbytes:,}, "
                 f"the file has {len(self._file):,} (an interrupted download or copy?)"
             )
         raw = self._file[start : start + info.nbytes]

@@ -193,8 +193,28 @@ def test_a_file_cut_inside_its_header_says_so(mixed_gguf: Path, tmp_path: Path) 
     for num_bytes in (4, 2000):
         cut = tmp_path / f"cut{num_bytes}.gguf"
         cut.write_bytes(mixed_gguf.read_bytes()[:num_bytes])
-        with pytest.raises(ValueError, match="it ends inside its header \\(truncated"):
+        with pytest.raises(ValueError, match="the file is truncated \\(an interrupted download or copy\\?\\) or damaged"):
             open_checkpoint(str(cut))
+
+
+def test_a_damaged_header_is_named_where_it_is_damaged(mixed_gguf: Path, tmp_path: Path) -> None:
+    """A full-size file whose header was overwritten: a count past what the file holds, a key longer than the file,
+    or a key's bytes that are not UTF-8 (they raised a bare decode error, or said only that the file was cut)."""
+    data = bytearray(mixed_gguf.read_bytes())
+    counts = tmp_path / "counts.gguf"
+    counts.write_bytes(data[:8] + (2**62).to_bytes(8, "little") + data[16:])  # the tensor count
+    with pytest.raises(ValueError, match=f"counts {2**62:,} tensors, more than its {len(data):,} bytes can hold"):
+        open_checkpoint(str(counts))
+    long_key = tmp_path / "long_key.gguf"
+    long_key.write_bytes(data[:24] + (2**62).to_bytes(8, "little") + data[32:])  # the first key's length
+    with pytest.raises(ValueError, match="its header runs past the end of the file: the file is truncated"):
+        open_checkpoint(str(long_key))
+    key_length = int.from_bytes(data[24:32], "little")
+    data[32 : 32 + key_length] = b"\xff" * key_length  # the first metadata key
+    bad_key = tmp_path / "key.gguf"
+    bad_key.write_bytes(data)
+    with pytest.raises(ValueError, match="damaged: metadata entry 1 of [0-9]+ \\(byte 24\\) holds a string that is not UTF-8"):
+        open_checkpoint(str(bad_key))
 
 
 def test_a_gguf_lacking_metadata_is_named(tmp_path: Path) -> None:
