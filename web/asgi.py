@@ -46,6 +46,7 @@ from anyio.abc import TaskGroup
 from engine.async_engine import AsyncEngine, EngineState
 from engine.errors import load_refusals
 from engine.config import SluiceConfig, load_config
+from web.loop_reports import drop_cancelled_connection_reports
 from web.memory import limit_arenas, trim_while_idle
 
 logger = logging.getLogger("sluice.server")
@@ -98,6 +99,7 @@ class SluiceASGI:
         message = await receive()
         if message["type"] != "lifespan.startup":
             return
+        drop_cancelled_connection_reports(asyncio.get_running_loop())
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._run_engine)
             tg.start_soon(trim_while_idle, self.engine)
