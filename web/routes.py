@@ -129,6 +129,10 @@ async def receive_body(s: Services) -> tuple[bytes, float]:
     if request.mimetype != "application/json":
         raise APIError(415, f"the request body must be application/json, not {request.mimetype or 'absent'!r}",
                        code="unsupported_media_type")  # fmt: skip
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":  # its bytes would be taken for JSON and fail as text that is not UTF-8
+        raise APIError(415, f"the request body's content-encoding {encoding!r} is not supported: send it uncompressed",
+                       code="unsupported_media_type")  # fmt: skip
     # Awaiting the body itself does not yield when it has already arrived, unlike request.get_data(),
     # whose asyncio.wait_for always does.
     try:

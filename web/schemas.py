@@ -384,9 +384,19 @@ def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
         first = max(errors, key=lambda e: len(e["loc"]))
         param = _param_from_loc(first["loc"])
         where = f"{param}: " if param else ""
-        raise APIError(400, f"{where}{_error_message(first)}"[:500], param=param) from None
+        raise APIError(400, f"{where}{_union_message(errors, first, param)}"[:500], param=param) from None
     request.check_supported()
     return request
+
+
+def _union_message(errors: list[Any], first: Any, param: str | None) -> str:
+    """first's message, or, where a value is of no type a union takes (every member failed on its type at the same
+    place: `"input": 5`), each type it could be ("should be a valid string or a valid list", not only the first)."""
+    members = [e for e in errors if len(e["loc"]) == len(first["loc"]) and _param_from_loc(e["loc"]) == param]
+    prefix = "Input should be "
+    if len(members) < 2 or not all(e["type"].endswith("_type") and e["msg"].startswith(prefix) for e in members):
+        return _error_message(first)
+    return prefix + " or ".join(dict.fromkeys(e["msg"].removeprefix(prefix) for e in members))
 
 
 def _error_message(error: Any) -> str:

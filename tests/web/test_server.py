@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import socket
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
@@ -297,7 +299,23 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', "application/json", 400, None, "JSON"),
     ("/v1/completions", b"prompt=hi", "application/x-www-form-urlencoded", 415, None, "application/json"),
     ("/v1/completions", b"x" * (65 * 1024), "application/json", 413, None, ""),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, None, 400, "messages.0.content",
+     "a valid string or a valid list"),
 ]
+
+
+def test_a_compressed_body_and_a_chunked_body_over_the_limit_are_named(http: httpx.Client) -> None:
+    """A gzip body was parsed as JSON text ("not valid UTF-8: surrogates not allowed"); a chunked one over the limit got
+    Quart's "exceeds the capacity limit" where a declared one gets the limit named."""
+    body = gzip.compress(orjson.dumps(COMPLETION))
+    response = http.post("/v1/completions", content=body,
+                         headers={"content-type": "application/json", "content-encoding": "gzip"})  # fmt: skip
+    assert response.status_code == 415, response.text
+    assert "content-encoding 'gzip' is not supported" in response.json()["error"]["message"]
+    chunks = (b"x" * 8192 for _ in range(10))  # no Content-Length: sent chunked
+    response = http.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["message"].endswith("bytes (max_body_bytes)")
 
 
 @pytest.mark.parametrize("path,body,content_type,status,param,words", BAD_REQUESTS)
