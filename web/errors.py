@@ -114,7 +114,8 @@ def register_error_handlers(app: Quart) -> None:
         await drain_request_body(status)
         message = error.description or error.name
         if status == 413:  # a chunked body past the limit (a declared one gets web/body_limit.py's answer)
-            message = f"the request body is over the limit of {current_app.config['MAX_CONTENT_LENGTH']} bytes (max_body_bytes)"
+            limit = current_app.config["MAX_CONTENT_LENGTH"]
+            message = f"the request body is over the limit of {limit} bytes (max_body_bytes)"
         response = APIError(status, message, code=HTTP_CODES.get(status)).response()
         if status == 405 and error.get_response().headers.get("Allow"):
             response.headers["Allow"] = error.get_response().headers["Allow"]

@@ -36,9 +36,9 @@ def signals_stop_the_start() -> None:
 
 def signals_stop_the_start_of_a_server_process() -> None:
     """signals_stop_the_start() where this process was started as the server: `python -m web.server` or the
-    hypercorn command, which import their first module of Sluice (this package) before torch, whose import swallows
-    a KeyboardInterrupt (a Ctrl-C in the first second was lost, and the server started anyway). Elsewhere (tests,
-    a program that imports web) the process's handlers stay its own; `sluice serve` installs them itself."""
+    hypercorn command, whose first import of Sluice (this package) comes before torch's (~1.5 s, in which a Ctrl-C
+    printed a KeyboardInterrupt traceback of 40-80 lines and SIGTERM killed the process by the signal). Elsewhere
+    (tests, a program that imports web) the process's handlers stay its own; `sluice serve` installs them itself."""
     argv = getattr(sys, "orig_argv", [])
     run_module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None  # `python -m` imports this package first
     if run_module in ("web.server", "hypercorn") or "hypercorn.__main__" in sys.modules:  # or the hypercorn script

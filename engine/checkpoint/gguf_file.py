@@ -115,10 +115,11 @@ def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int
     version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (Sluice reads versions 2 and 3)")
-    for count, what, least in ((kv_count, "metadata entries", _LEAST_ENTRY_BYTES), (tensor_count, "tensors", _LEAST_TENSOR_BYTES)):
+    counts = ((kv_count, "metadata entries", _LEAST_ENTRY_BYTES), (tensor_count, "tensors", _LEAST_TENSOR_BYTES))
+    for count, what, least in counts:
         if count * least > len(blob):
-            raise ValueError(f"its header counts {count:,} {what}, more than its {len(blob):,} bytes can hold: the file "
-                             "is truncated (an interrupted download or copy?) or damaged")  # fmt: skip
+            raise ValueError(f"its header counts {count:,} {what}, more than its {len(blob):,} bytes can hold: "
+                             "the file is truncated (an interrupted download or copy?) or damaged")  # fmt: skip
     pos = 24
     metadata: dict[str, Any] = {}
     for i in range(kv_count):
@@ -128,8 +129,8 @@ def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int
             (value_type,) = struct.unpack_from("<I", blob, pos)
             metadata[key], pos = _read_value(blob, pos + 4, value_type)
         except UnicodeDecodeError:
-            raise ValueError(f"its header is damaged: metadata entry {i + 1} of {kv_count} (byte {at:,}) holds a string "
-                             "that is not UTF-8") from None  # fmt: skip
+            raise ValueError(f"its header is damaged: metadata entry {i + 1} of {kv_count} (byte {at:,}) holds a "
+                             "string that is not UTF-8") from None  # fmt: skip
     if "general.architecture" not in metadata:
         raise ValueError("no general.architecture in its metadata")
     table = []
@@ -138,8 +139,8 @@ def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int
         try:
             name, pos = _read_string(blob, pos)
         except UnicodeDecodeError:
-            raise ValueError(f"its header is damaged: the name of tensor {j + 1} of {tensor_count} (byte {at:,}) is not "
-                             "UTF-8") from None  # fmt: skip
+            raise ValueError(f"its header is damaged: the name of tensor {j + 1} of {tensor_count} (byte {at:,}) "
+                             "is not UTF-8") from None  # fmt: skip
         (num_dims,) = struct.unpack_from("<I", blob, pos)
         dims = struct.unpack_from(f"<{num_dims}Q", blob, pos + 4)
         ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * num_dims)

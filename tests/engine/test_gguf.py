@@ -193,7 +193,7 @@ def test_a_file_cut_inside_its_header_says_so(mixed_gguf: Path, tmp_path: Path) 
     for num_bytes in (4, 2000):
         cut = tmp_path / f"cut{num_bytes}.gguf"
         cut.write_bytes(mixed_gguf.read_bytes()[:num_bytes])
-        with pytest.raises(ValueError, match="the file is truncated \\(an interrupted download or copy\\?\\) or damaged"):
+        with pytest.raises(ValueError, match=r"the file is truncated \(an interrupted download or copy\?\) or damaged"):
             open_checkpoint(str(cut))
 
 
@@ -213,7 +213,7 @@ def test_a_damaged_header_is_named_where_it_is_damaged(mixed_gguf: Path, tmp_pat
     data[32 : 32 + key_length] = b"\xff" * key_length  # the first metadata key
     bad_key = tmp_path / "key.gguf"
     bad_key.write_bytes(data)
-    with pytest.raises(ValueError, match="damaged: metadata entry 1 of [0-9]+ \\(byte 24\\) holds a string that is not UTF-8"):
+    with pytest.raises(ValueError, match=r"damaged: metadata entry 1 of \d+ \(byte 24\) holds a string that is not UTF-8"):
         open_checkpoint(str(bad_key))
 
 

@@ -240,7 +240,8 @@ def catches(pid: int, signum: signal.Signals) -> bool:
 def launcher_command(launcher: str, model: Path, port: int) -> list[str]:
     if launcher == "hypercorn":  # the README's command; the model from SLUICE_MODEL
         factory = "web.asgi:create_asgi_app()"
-        return [sys.executable, "-m", "hypercorn", "--config", "web/hypercorn.toml", "--bind", f"127.0.0.1:{port}", factory]
+        bind = f"127.0.0.1:{port}"
+        return [sys.executable, "-m", "hypercorn", "--config", "web/hypercorn.toml", "--bind", bind, factory]
     module = ["web.cli", "serve"] if launcher == "sluice serve" else ["web.server"]
     return [sys.executable, "-m", *module, "--model", str(model), "--port", str(port)]
 
