@@ -59,10 +59,11 @@ class TensorInfo:
     nbytes: int
 
 
-# the fewest bytes a metadata entry (key length, a key byte, value type, a value byte) and a tensor's entry (name
-# length, a name byte, dimension count, a dimension, type, offset) take: a count beyond the file is a damaged header
-_LEAST_ENTRY_BYTES = 8 + 1 + 4 + 1
-_LEAST_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8
+# the fewest bytes a metadata entry (key length, an empty key, value type, a one-byte value) and a tensor's entry
+# (name length, an empty name, dimension count, no dimension, type, offset) can take: a count beyond the file is a
+# damaged or truncated header, never a valid one
+_LEAST_ENTRY_BYTES = 8 + 4 + 1
+_LEAST_TENSOR_BYTES = 8 + 4 + 4 + 8
 
 # metadata value types with a fixed size (struct formats); 8 = string, 9 = array
 _VALUE_FORMATS = {0: "B", 1: "b", 7: "?", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
