@@ -1,4 +1,4 @@
-"""A `sluice serve --replicas 2` process on the tiny model, in a session of its own, for the replica tests."""
+"""A `sluice serve --replicas 2` process on a random model, in a session of its own, for the replica tests."""
 
 from __future__ import annotations
 

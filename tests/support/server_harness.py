@@ -34,11 +34,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, interval: float = 0.02) -> None:
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout: float = 60.0,
+    interval: float = 0.02,
+    describe: Callable[[], object] | None = None,
+) -> None:
+    """describe(): what the failure message shows of the state the predicate looked at."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached in time")
+            raise TimeoutError("condition not reached in time" + (f": {describe()}" if describe else ""))
         time.sleep(interval)
 
 
