@@ -272,6 +272,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
                 raise APIError(400, f"messages.{i}.content: required in a message of role {message.role!r}",
                                param=f"messages.{i}.content")  # fmt: skip
+            if message.role == "tool" and message.tool_call_id is None:  # OpenAI's rule too
+                raise APIError(400, f"messages.{i}.tool_call_id: required in a message of role 'tool' (the id of the "
+                               "tool call it answers)", param=f"messages.{i}.tool_call_id")  # fmt: skip
         choice, name = self.tool_choice_kind()
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):

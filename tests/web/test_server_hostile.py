@@ -121,6 +121,7 @@ def test_an_integer_past_64_bits_gets_a_400_that_says_so(http: httpx.Client, fie
         ({"role": "user"}, "messages.0.content", "required in a message of role 'user'"),
         ({"role": "system", "content": None}, "messages.0.content", "required in a message of role 'system'"),
         ({"role": "assistant", "content": None}, "messages.0.content", "required in a message of role 'assistant'"),
+        ({"role": "tool", "content": "18 degrees"}, "messages.0.tool_call_id", "required in a message of role 'tool'"),
     ],  # fmt: skip
 )
 def test_a_chat_message_the_server_cannot_take_gets_a_400_naming_its_part(
