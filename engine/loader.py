@@ -90,7 +90,7 @@ def _load(config: EngineConfig) -> LoadedModel:
     kv_pool = KVPool.allocate(backend, config.num_kv_blocks, config.block_size, dtype)
     # The warm-up's steps run outside the GIL and the tokenizer's build inside it: side by side they overlap.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-warm") as pool:
-        warming = pool.submit(warm_up, backend, kv_pool, config.block_size)
+        warming = pool.submit(warm_up, backend, kv_pool, config.block_size, min(max_pos, config.max_model_len))
         tokenizer = checkpoint.tokenizer()
         warming.result()
     fmt = chat_format(getattr(hf_config, "model_type", ""))

@@ -813,3 +813,18 @@ def test_prefill_chunks_keep_their_bits_on_qwen3_and_past_a_sliding_window(grid_
     alone, whole, pieces = prefill_bits(backend, [[1] * 30, [30], [3, 11, 16]], 30, 5)
     assert torch.equal(whole, alone)
     assert torch.equal(pieces, alone)
+
+
+@pytest.mark.parametrize("max_model_len", [1, 2, 9, 16])
+def test_a_context_shorter_than_the_warm_up_still_starts_and_serves(grid_llama_dir: Path, max_model_len: int) -> None:
+    """The native rope table ends at max_model_len: the load's warm-up steps stay below it (they ran 16 positions
+    and failed a start with max_model_len 16 or less: "position out of range")."""
+    llm = LLM(str(grid_llama_dir), block_size=16, num_kv_blocks=8, max_model_len=max_model_len)
+    assert llm.engine.runner.backend.name == "native"
+    if max_model_len == 1:
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([[5]], GREEDY)
+        return
+    prompt = list(range(5, 5 + max_model_len - 1))
+    (output,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    assert len(output.token_ids) == 1
