@@ -18,6 +18,8 @@ SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
 PRECISIONS = ("exact", "int8")
 QUANTIZE_MODES = ("auto", "none", "requantize")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MAX_THREADS = 1024  # compute threads: more than the largest machine's cores only oversubscribes them
+MAX_BACKLOG = 65535  # listen()'s int; Linux caps it at net.core.somaxconn (4096 by default) anyway
 # SLUICE_* names read outside the config's keys: the config file, the native step's kernel variant and switch.
 OTHER_ENV_NAMES = ("SLUICE_CONFIG", "SLUICE_ISA", "SLUICE_NATIVE")
 
@@ -52,8 +54,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if not 0 <= self.num_threads <= MAX_THREADS:
+            raise ValueError(f"num_threads must be in [0, {MAX_THREADS}] (0: one a core), got {self.num_threads}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}")
         if self.precision not in PRECISIONS:
@@ -116,18 +118,25 @@ class ServerConfig:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
-        if self.body_timeout <= 0 or self.graceful_timeout < 0 or self.backlog < 1:
-            raise ValueError("body_timeout must be > 0, graceful_timeout >= 0 and backlog >= 1")
-        if self.step_timeout <= 0 or self.client_read_timeout <= 0:
-            raise ValueError("step_timeout and client_read_timeout must be > 0")
+        for name in ("body_timeout", "step_timeout", "client_read_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.graceful_timeout < 0:
+            raise ValueError(f"graceful_timeout must be >= 0, got {self.graceful_timeout}")
+        if not 1 <= self.backlog <= MAX_BACKLOG:
+            raise ValueError(f"backlog must be in [1, {MAX_BACKLOG}] (the kernel caps it at net.core.somaxconn), "
+                             f"got {self.backlog}")
         if self.log_level.upper() not in logging.getLevelNamesMapping():
             raise ValueError(f"log_level must be one of {LOG_LEVELS} (or another of logging's), got {self.log_level!r}")
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.responses_store_max_count < 0 or self.responses_store_max_bytes < 0 or self.responses_store_ttl <= 0:
-            raise ValueError("responses_store_max_count and _max_bytes must be >= 0, responses_store_ttl > 0")
+        for name in ("responses_store_max_count", "responses_store_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.responses_store_ttl <= 0:
+            raise ValueError(f"responses_store_ttl must be > 0, got {self.responses_store_ttl}")
 
     @property
     def api_keys(self) -> tuple[str, ...]:

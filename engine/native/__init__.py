@@ -60,11 +60,12 @@ def available_isas(module: ModuleType) -> list[str]:
 
 
 def use_isa(module: ModuleType, name: str) -> None:
-    """Run the kernels of variant `name` (one of ISA_VARIANTS, or "best") from now on."""
+    """Run the kernels of variant `name` (one of ISA_VARIANTS, or "best") from now on. ValueError (a setting
+    refused: a start says it in one line) for a name that is none, or a variant this CPU cannot run."""
     if name != "best" and name not in ISA_VARIANTS:
-        raise RuntimeError(f"{ENV_ISA}={name!r}: the kernel variants are {', '.join(ISA_VARIANTS)}")
+        raise ValueError(f"{ENV_ISA}={name!r}: the kernel variants are {', '.join(ISA_VARIANTS)}")
     if not _try_isa(module, name):
-        raise RuntimeError(
+        raise ValueError(
             f"{ENV_ISA}={name}: this CPU cannot run the {name} kernels (it can run: {', '.join(available_isas(module))})"
         )
 

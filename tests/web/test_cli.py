@@ -112,7 +112,12 @@ def test_bad_values_exit_2_with_the_reason() -> None:
     for flags, reason in ((["--log-level", "verbose"], "log_level must be one of"),
                           (["--retry-after-seconds", "-3"], "retry_after_seconds must be >= 0"),
                           (["--drain-timeout", "nan"], "drain_timeout must be a finite number"),
-                          (["--body-timeout", "inf"], "body_timeout must be a finite number")):  # fmt: skip
+                          (["--body-timeout", "inf"], "body_timeout must be a finite number"),
+                          (["--backlog", "1000000000000000000000"], "backlog must be in [1, 65535]"),
+                          (["--graceful-timeout", "-1"], "graceful_timeout must be >= 0, got -1"),
+                          (["--client-read-timeout", "0"], "client_read_timeout must be > 0, got 0"),
+                          (["--responses-store-ttl", "0"], "responses_store_ttl must be > 0, got 0"),
+                          (["--num-threads", "10000"], "num_threads must be in [0, 1024]")):  # fmt: skip
         done = sluice("serve", *flags)
         assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr
 

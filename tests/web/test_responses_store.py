@@ -102,3 +102,16 @@ def test_a_stored_response_is_visible_to_its_key_only(model_dir: Path) -> None:
         a.responses.delete(mine.id)
         with pytest.raises(openai.NotFoundError):
             a.responses.retrieve(mine.id)
+
+
+def test_a_store_of_none_keeps_nothing_and_says_nothing(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """responses_store_max_count = 0 is a choice: no response is kept, and no warning calls one too large."""
+    config = tiny_engine_config(model_dir, max_model_len=2048)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL, responses_store_max_count=0) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        with caplog.at_level("WARNING"):
+            response = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+        assert response.status in ("completed", "incomplete")
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response.id)
+        assert not [r for r in caplog.records if "response store" in r.getMessage()]

@@ -149,6 +149,8 @@ def previous_conversation(store: ResponseStore, response_id: str | None, owner: 
 
 
 def store_response(store: ResponseStore, builder: ResponseBuilder, owner: bytes | None, items: list[Item]) -> None:
+    if store.max_count == 0:  # responses_store_max_count = 0: the server keeps none, by choice
+        return
     conversation = orjson.dumps(with_ids(builder.id, items) + output_items_as_input(builder.output))
     if not store.put(builder.id, owner, orjson.dumps(builder.response()), conversation, len(items)):
         logger.warning("response %s is larger than the whole response store (%d bytes): not stored",
