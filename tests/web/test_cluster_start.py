@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.cluster_server import MODEL, START_TIMEOUT, ClusterServer
-from tests.support.server_harness import parse_sse, wait_until
+from tests.support.server_harness import free_port, parse_sse, wait_until
 
 pytest.importorskip("ray", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 
@@ -70,5 +70,18 @@ def test_a_model_or_setting_a_replica_refuses_ends_the_server_with_its_reason(ti
         assert server.process.wait(START_TIMEOUT) == 1
         line = next(line for line in server.log_text().splitlines() if "the model did not load" in line)
         assert "replica " in line and "of memory available to each of 2 replicas: num_kv_blocks = " in line
+    finally:
+        server.close()
+
+
+def test_a_ray_address_where_nothing_listens_ends_the_server_with_its_reason(tiny_llama_dir: Path,
+                                                                            tmp_path: Path) -> None:  # fmt: skip
+    """Not a process that answers nothing and takes no signal for minutes (ray.init retrying in native code)."""
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    server = ClusterServer(tiny_llama_dir, tmp_path / "server.log", "--ray-address", address)
+    try:
+        assert server.process.wait(60) == 1
+        line = next(line for line in server.log_text().splitlines() if "the model did not load" in line)
+        assert f"ray_address '{address}': nothing answers there" in line and "ray start --head" in line
     finally:
         server.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,6 +60,20 @@ class LaunchedCluster:
                 ray.shutdown()
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """ValueError unless something listens at a host:port address ("auto" and ray:// are Ray's to resolve). Against
+    an address where nothing listens, ray.init retries for minutes in native code that holds the GIL: the server
+    would answer nothing, not even /health, and take no signal."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise ValueError(f"ray_address {address!r}: nothing answers there ({error}); start Ray on that machine first "
+                         f"(`ray start --head`), or leave ray_address empty for a local cluster") from None
+
+
 def start_local_ray() -> None:
     """No dashboard, the node known to Ray as 127.0.0.1, the CPUs of this machine. Ray's own servers (GCS,
     raylet, workers) still listen on every interface: Ray has no setting to bind them to one (the README says to
@@ -92,6 +107,7 @@ def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | N
         before_ray_start()
     if not ray.is_initialized():
         if cluster.ray_address:
+            check_reachable(cluster.ray_address)
             ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
         else:
             start_local_ray()
