@@ -112,6 +112,9 @@ class ServerConfig:
             if origin != "*" and not _is_origin(origin):  # else no browser's Origin header would ever match it
                 raise ValueError(f"cors_origins: '*' or origins as browsers send them, scheme://host[:port] in lower "
                                  f"case with no path or trailing slash (https://app.example.com), got {origin!r}")
+        if not self.host.strip():  # Hypercorn would take "" as every interface, and the logs would name none
+            raise ValueError("host must not be empty: 127.0.0.1 listens on this machine only, 0.0.0.0 on every "
+                             "interface")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_pending < 1:
@@ -256,7 +259,10 @@ def load_config(
     data: dict[str, Any] = {}
     if path.exists():
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            try:
+                data = tomllib.load(f)
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:  # a server started elsewhere: which file
+                raise ValueError(f"{path}: not valid TOML: {error}") from None
     sections = {
         "engine": (EngineConfig, engine_overrides),
         "server": (ServerConfig, server_overrides),
@@ -272,6 +278,10 @@ def load_config(
     built = {}
     for section, (cls, overrides) in sections.items():
         values = dict(data.get(section, {}))
+        known = sorted(f.name for f in fields(cls))
+        unknown = sorted(set(values) - set(known))
+        if unknown:  # only the file can name a key that is none (flags and variables are the keys)
+            raise ValueError(f"{path}: unknown [{section}] keys: {unknown}; known: {known}")
         _check_file_types(cls, values, f"{path} [{section}]")
         for f in fields(cls):
             env_value = environ.get(f"SLUICE_{f.name.upper()}")

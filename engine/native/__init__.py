@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SLUICE_NATIVE"
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # as config.toml's booleans
 ENV_ISA = "SLUICE_ISA"
 ISA_VARIANTS = ("avx512", "avxvnni", "avx2", "baseline")  # the extension's: isa_avx512 ... isa_base
 BUILD_DIR = Path(__file__).resolve().parent / "_build"  # gitignored; `make install` fills it
@@ -29,8 +30,11 @@ MODULE_NAME = "sluice_native"
 
 @lru_cache(maxsize=1)
 def native_ops() -> ModuleType | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        log.warning("%s=0: the native step is off; using the eager PyTorch path", ENV_SWITCH)
+    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if switch not in SWITCH_ON + SWITCH_OFF:  # a value read as "on" unnoticed would leave the step on
+        raise ValueError(f"{ENV_SWITCH}={switch!r}: 0, false, no or off turns the native step off; 1, true, yes or on")
+    if switch in SWITCH_OFF:
+        log.warning("%s=%s: the native step is off; using the eager PyTorch path", ENV_SWITCH, switch)
         return None
     path = BUILD_DIR / f"{MODULE_NAME}.so"
     if not path.is_file():

@@ -573,15 +573,21 @@ def test_default_model_greedy_is_batch_invariant_and_exact_matches_transformers(
         assert runs[0] == refs
 
 
-def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid_llama_dir: Path, caplog) -> None:
-    monkeypatch.setenv("SLUICE_NATIVE", "0")
+@pytest.mark.parametrize("switch", ["0", "off"])
+def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid_llama_dir: Path, caplog,
+                                                               switch: str) -> None:  # fmt: skip
+    monkeypatch.setenv("SLUICE_NATIVE", "bogus")
+    native_ops.cache_clear()
+    with pytest.raises(ValueError, match="SLUICE_NATIVE='bogus': 0, false, no or off turns the native step off"):
+        native_ops()
+    monkeypatch.setenv("SLUICE_NATIVE", switch)
     native_ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.native"):
             llm = LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64)
             LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64)
         assert llm.engine.runner.backend.name == "eager"
-        assert sum("SLUICE_NATIVE=0" in r.getMessage() for r in caplog.records) == 1  # said once
+        assert sum(f"SLUICE_NATIVE={switch}" in r.getMessage() for r in caplog.records) == 1  # said once
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
         assert len(out.token_ids) == 4
     finally:

@@ -97,7 +97,8 @@ def test_help_shows_the_values_of_the_file_config_names(tmp_path: Path) -> None:
     assert "(default: 5)" in text
     config_file.write_text("[server]\nport = 8234\nbogus = 1\n")
     text = " ".join(sluice("serve", "--config", str(config_file), "--help").stdout.split())
-    assert "could not be read (unknown [server] keys: ['bogus']" in text and "the defaults shown are built in" in text
+    assert "other.toml: unknown [server] keys: ['bogus']" in text and "could not be read" in text
+    assert "the defaults shown are built in" in text
 
 
 def test_bad_values_exit_2_with_the_reason() -> None:
@@ -117,7 +118,8 @@ def test_bad_values_exit_2_with_the_reason() -> None:
                           (["--graceful-timeout", "-1"], "graceful_timeout must be >= 0, got -1"),
                           (["--client-read-timeout", "0"], "client_read_timeout must be > 0, got 0"),
                           (["--responses-store-ttl", "0"], "responses_store_ttl must be > 0, got 0"),
-                          (["--num-threads", "10000"], "num_threads must be in [0, 1024]")):  # fmt: skip
+                          (["--num-threads", "10000"], "num_threads must be in [0, 1024]"),
+                          (["--host", ""], "host must not be empty")):  # fmt: skip
         done = sluice("serve", *flags)
         assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr
 
@@ -134,6 +136,9 @@ def test_bad_values_exit_2_with_the_reason() -> None:
         ("[server]\ndrain_timeout = nan\n", "drain_timeout must be a finite number of seconds, got nan"),
         ("[sever]\nport = 9000\n", "unknown sections or keys ['sever']"),
         ("port = 9000\n", "unknown sections or keys ['port']"),
+        ("[server]\nprot = 9000\n", "bad.toml: unknown [server] keys: ['prot']"),  # the file that says it is named
+        ("[server\nport = 9000\n", "bad.toml: not valid TOML: Expected ']'"),
+        ("[server]\nport = 1\nport = 2\n", "bad.toml: not valid TOML: Cannot overwrite a value"),
     ],
 )
 def test_a_config_file_of_wrong_types_or_sections_is_one_line_and_exit_2(tmp_path: Path, text: str, reason: str) -> None:
