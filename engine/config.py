@@ -234,11 +234,15 @@ def _warn_unknown_env(environ: Any, classes: list[type]) -> None:
                        "capitals, e.g. SLUICE_API_KEY)", ", ".join(unknown))  # fmt: skip
 
 
-def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+def _check_known_keys(cls: type, values: dict[str, Any], section: str, source: str = "") -> None:
     known = {f.name for f in fields(cls)}
     unknown = set(values) - known
     if unknown:
-        raise ValueError(f"unknown [{section}] keys: {sorted(unknown)}; known: {sorted(known)}")
+        raise ValueError(f"{source}unknown [{section}] keys: {sorted(unknown)}; known: {sorted(known)}")
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+    _check_known_keys(cls, values, section)  # keyword overrides (the offline API's)
     return cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
 
 
@@ -278,10 +282,7 @@ def load_config(
     built = {}
     for section, (cls, overrides) in sections.items():
         values = dict(data.get(section, {}))
-        known = sorted(f.name for f in fields(cls))
-        unknown = sorted(set(values) - set(known))
-        if unknown:  # only the file can name a key that is none (flags and variables are the keys)
-            raise ValueError(f"{path}: unknown [{section}] keys: {unknown}; known: {known}")
+        _check_known_keys(cls, values, section, f"{path}: ")  # the file, named: flags and variables are the keys
         _check_file_types(cls, values, f"{path} [{section}]")
         for f in fields(cls):
             env_value = environ.get(f"SLUICE_{f.name.upper()}")
