@@ -136,7 +136,7 @@ class SluiceASGI:
             self.engine.abort_all()
             self._stop_serving()
             return
-        logger.info("%s: draining for up to %.1f s", signal.Signals(signum).name, self.drain_timeout)
+        logger.info("%s: draining for up to %.4g s", signal.Signals(signum).name, self.drain_timeout)
         self._signalled.set()
 
     async def _drain_on_stop(self, stop: anyio.Event) -> None:
@@ -169,7 +169,7 @@ class SluiceASGI:
         with anyio.move_on_after(timeout):
             await self._exchanges_done.wait()
         if self._num_open_exchanges:
-            logger.warning("%d responses not written out within %.1f s", self._num_open_exchanges, timeout)
+            logger.warning("%d responses not written out within %.4g s", self._num_open_exchanges, timeout)
 
     # ---- the engine ---------------------------------------------------------------------------------------
     async def _run_engine(self) -> None:
