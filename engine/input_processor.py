@@ -115,12 +115,23 @@ class InputProcessor:
         self._check_chars(num_chars + len(repr(template_kwargs.get("tools") or "")), "messages")
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                normalized, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
+
+        def render(conversation: list[Mapping[str, Any]]) -> Any:
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
             )
+
+        try:
+            encoded = render(normalized)
         except Exception as error:  # jinja raises its own errors for conversations a template rejects
-            raise InvalidRequest(f"the chat template rejected the messages: {_first_line(error)}", "messages") from None
+            rejection = f"the chat template rejected the messages: {_first_line(error)}"
+            merged = merged_turns(normalized)
+            if merged == normalized:
+                raise InvalidRequest(rejection, "messages") from None
+            try:
+                encoded = render(merged)
+            except Exception:
+                raise InvalidRequest(rejection, "messages") from None
         token_ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
         return list(token_ids)
 
@@ -207,6 +218,28 @@ def _subject(param: str) -> str:
     return f"the {param} have" if param.endswith("s") else f"the {param} has"
 
 
+def merged_turns(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Each run of plain messages (role and content only) of one role as one message, their texts a blank line
+    apart; system and developer count as one role. For the templates that insist on alternating turns (Gemma's
+    takes one system message, then user and assistant by turns): a conversation they reject as sent is rendered
+    so, as its author meant it, rather than refused."""
+    merged: list[Mapping[str, Any]] = []
+    for message in messages:
+        role = "system" if message["role"] == "developer" else message["role"]
+        is_plain = set(message) <= {"role", "content"}
+        last = merged[-1] if merged else None
+        if is_plain and last is not None and last["role"] == role and set(last) <= {"role", "content"}:
+            merged[-1] = {"role": role, "content": f"{last['content']}\n\n{message['content']}"}
+        else:
+            merged.append({**message, "role": role} if is_plain else message)
+    return merged
+
+
+def join_text_parts(texts: Iterable[str]) -> str:
+    """A message's text parts as one text: a line apart, as vLLM joins them."""
+    return "\n".join(texts)
+
+
 def _text_of_parts(content: Any, role: str) -> str:
     if content is None and role == "assistant":  # a turn of tool calls alone
         return ""
@@ -216,7 +249,7 @@ def _text_of_parts(content: Any, role: str) -> str:
     if not is_text:
         raise InvalidRequest("each message's 'content' must be a string or a list of text parts "
                              '({"type": "text", "text": ...}); null for an assistant only', param="messages")  # fmt: skip
-    return "".join(part["text"] for part in content)
+    return join_text_parts(part["text"] for part in content)
 
 
 def chat_template_options(add_generation_prompt: bool, continue_final_message: bool) -> dict[str, bool]:

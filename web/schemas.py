@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequest
-from engine.input_processor import chat_template_options
+from engine.input_processor import chat_template_options, join_text_parts
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
@@ -190,7 +190,7 @@ class ChatMessage(BaseModel):
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = join_text_parts(part.text for part in content)
         # The chat templates of small models know "system" but not OpenAI's newer "developer".
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}

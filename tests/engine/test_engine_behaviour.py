@@ -238,7 +238,8 @@ def test_chat_applies_the_template(llm):
     with pytest.raises(ValueError):
         llm.chat([{"role": "user"}], SamplingParams(max_tokens=3), use_tqdm=False)
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
-    assert llm.chat(parts, SamplingParams(max_tokens=3), use_tqdm=False)[0].prompt_token_ids == out.prompt_token_ids
+    joined = llm.chat([{"role": "user", "content": "h\ni"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert llm.chat(parts, SamplingParams(max_tokens=3), use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
     with pytest.raises(ValueError, match="text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], use_tqdm=False)
     started = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]

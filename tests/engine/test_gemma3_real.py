@@ -69,6 +69,19 @@ def test_gemma3_270m_chat_template_and_end_of_turn(gemma_llm: LLM) -> None:
     assert out.finish_reason == "stop" and out.token_ids == [end_of_turn]
 
 
+def test_gemma3_270m_renders_runs_of_one_role_its_template_refuses_as_one_turn(gemma_llm: LLM) -> None:
+    """Gemma's template takes one system message, then user and model turns by turns: a system and a developer
+    message, or two user messages in a row, are rendered as one turn (a blank line apart) instead of refused."""
+    engine = gemma_llm.engine
+    render = lambda *messages: engine.tokenizer.decode(engine.input_processor.encode_chat(list(messages)))  # noqa: E731
+    system, developer = {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "In French."}
+    hi, there = {"role": "user", "content": "Hi"}, {"role": "user", "content": "there"}
+    assert "<start_of_turn>user\nBe brief.\n\nIn French.\n\nHi<end_of_turn>" in render(system, developer, hi)
+    assert "<start_of_turn>user\nHi\n\nthere<end_of_turn>\n<start_of_turn>model\n" in render(hi, there)
+    with pytest.raises(ValueError, match="the chat template rejected the messages: Conversation roles must"):
+        render({"role": "assistant", "content": "Hello"}, hi)  # no merging makes it alternate
+
+
 def test_gemma3_270m_native_step_matches_transformers_and_is_batch_invariant(
     gemma_path: Path, prompts_and_references, caplog
 ) -> None:

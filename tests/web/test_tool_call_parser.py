@@ -102,6 +102,20 @@ def test_text_that_may_open_a_call_is_held_back():
     assert isinstance(events[0], ToolCallHeader) and events[0].name == "f" and events[1] == ArgumentsPiece(0, '{"a"')
 
 
+def test_the_results_of_parallel_calls_are_one_user_turn_in_generic_mode():
+    """Templates that insist on alternating turns (Gemma's) refuse two user turns in a row."""
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": {"i": i}}} for i in range(2)]
+    history = GENERIC.history_messages([
+        {"role": "user", "content": "Both?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "zero"},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "user", "content": "Thanks"}, {"role": "tool", "tool_call_id": "c1", "content": "late"},
+    ])  # fmt: skip
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "user", "user"]
+    assert history[2]["content"] == "<tool_response>\nzero\n</tool_response>\n<tool_response>\none\n</tool_response>"
+    assert history[4]["content"] == "<tool_response>\nlate\n</tool_response>"
+
+
 def test_formats_are_chosen_from_the_chat_template():
     assert detect_tool_format("{% for tool in tools %}<tool_call>{% endfor %}") is HERMES
     assert detect_tool_format("{% if tools %}<|python_tag|>{% endif %}") is LLAMA3_JSON

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.input_processor import join_text_parts
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
@@ -281,4 +282,4 @@ def _text_of(content: str | list[ContentPart], where: str) -> str:
             raise APIError(400, f"{where}[{i}].text: Field required (a part of type {part.type!r} carries its text)",
                            param=f"{where}[{i}].text")  # fmt: skip
         texts.append(part.text)
-    return "".join(texts)
+    return join_text_parts(texts)

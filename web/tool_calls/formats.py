@@ -118,8 +118,8 @@ class ToolFormat:
 
     def history_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Generic mode: earlier calls and tool results as text a template without tools can render."""
-        out = []
-        for message in messages:
+        out: list[dict[str, Any]] = []
+        for i, message in enumerate(messages):
             if message["role"] == "assistant" and message.get("tool_calls"):
                 calls = "".join(
                     self.call_open
@@ -130,8 +130,11 @@ class ToolFormat:
                 )
                 out.append({"role": "assistant", "content": (message.get("content") or "") + calls})
             elif message["role"] == "tool":
-                result = message.get("content") or ""
-                out.append({"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"})
+                response = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+                if i and messages[i - 1]["role"] == "tool":  # the results of parallel calls: one user turn (as
+                    out[-1]["content"] += "\n" + response  # Qwen's template has them; Gemma's refuses two in a row)
+                else:
+                    out.append({"role": "user", "content": response})
             else:
                 out.append({k: v for k, v in message.items() if k in ("role", "content")})
         return out
