@@ -7,6 +7,7 @@ first constrained request, so that servers that never see one never pay for it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -14,16 +15,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.errors import InvalidRequest
-from engine.structured_outputs import MAX_CHOICES, StructuredOutputs
+from engine.structured_outputs import StructuredOutputs
 
 # JSON is written as json.dumps writes it ({"a": 1, "b": [2, 3]}): small models given free whitespace tend to
 # fill the output with it. A schema's own "x-guidance" options override these.
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# The Earley items one row of a parse may hold (llguidance's default: 2000). An ambiguous grammar's rows grow with
-# its output, and every token's step walks them while the batch waits: a 40-byte grammar took 14-30 s for 200
-# tokens, then failed at 2000. At this cap it fails after ~150 tokens in ~6 s (engine/grammar_clock.py ends it on
-# its time before that); a choice's first row holds one item per entry.
-MAX_ROW_ITEMS = MAX_CHOICES + 76
+# The Earley items one row of a parse may hold (llguidance's default: 2000). A wide constraint needs many at once:
+# a choice's first row holds an item per entry, a flat schema ~4 per property (400 optional enum properties: 1,599;
+# 2,800, the most the 100,000-character limit takes: 11,199, at 8-23 ms a token). An ambiguous grammar's rows grow
+# with its output, and every token's step walks them while the batch waits: the time is what bounds that
+# (engine/grammar_clock.py ends it after 0.25 s at over 5 ms a token), this cap only the memory.
+MAX_ROW_ITEMS = 20_000
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
@@ -98,9 +100,15 @@ class GrammarCompiler:
         return LLMatcher.grammar_from_lark(structured.grammar)
 
 
+_ROW_LIMIT = re.compile(r"Current row has (\d+) items; max is (\d+).*", re.DOTALL)
+
+
 def matcher_error(matcher: LLMatcher) -> str:
-    """The matcher's error in words for the client (without llguidance's marker of a non-verbose error)."""
-    return matcher.get_error().replace("<non-verbose/>", "").strip()
+    """The matcher's error in words for the client (without llguidance's marker of a non-verbose error, and
+    without its advice to grammar writers where the constraint outgrew the parse's row limit)."""
+    error = matcher.get_error().replace("<non-verbose/>", "").strip()
+    return _ROW_LIMIT.sub(r"its parse needs \1 items at once, more than the \2 allowed (a constraint too wide or "
+                          r"too ambiguous to follow)", error)  # fmt: skip
 
 
 def _first_lines(error: object, limit: int = 400) -> str:

@@ -125,6 +125,18 @@ def test_the_longest_choice_list_runs_under_the_parsers_row_limit(llm):
     assert out.finish_reason == "stop" and out.text in words
 
 
+def test_a_wide_flat_schema_is_followed(llm):
+    """400 properties of 20 values each, the last required: its parse holds ~1,600 items at once (the row limit was
+    1,100, and such a request failed at its first token)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["f399"], "properties": {
+        f"f{i}": {"enum": [f"v{i}_{k}" for k in range(20)]} for i in range(400)}}  # fmt: skip
+    outs = llm.generate(PROMPTS, constrained(json=schema, max_tokens=60), use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason in ("stop", "length") and out.text.startswith('{"f'), out.text
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+
+
 def test_the_grammar_clock_counts_every_constrained_token(llm, monkeypatch):
     """With no time allowed, a constrained request fails at its first token, through the mask's time and the
     advance's, and the unconstrained one beside it does not."""
