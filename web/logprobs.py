@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import Container
+from functools import cached_property
 from typing import Any
 
 from engine.batch import SampledToken
@@ -22,6 +24,16 @@ class TokenText:
         if cached is None:
             cached = self._cache[token_id] = self._compute(token_id)
         return cached
+
+    @cached_property
+    def num_added_to_text(self) -> tuple[int, int]:
+        """How many special tokens the tokenizer puts before and after a text's own (Gemma's and Llama's BOS)."""
+        plain = self._tokenizer.encode("a", add_special_tokens=False)
+        full = self._tokenizer.encode("a", add_special_tokens=True)
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return start, len(full) - start - len(plain)
+        return 0, 0
 
     def _compute(self, token_id: int) -> tuple[str, list[int]]:
         piece = self._tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -61,9 +73,12 @@ class TextOffsets:
         return offset
 
 
-def completion_logprobs(tokens: list[SampledToken], token_text: TokenText, offsets: TextOffsets) -> dict[str, Any]:
+def completion_logprobs(
+    tokens: list[SampledToken], token_text: TokenText, offsets: TextOffsets, unseen: Container[int] = ()
+) -> dict[str, Any]:
+    """unseen: the places of tokens the text does not show (an echoed prompt's BOS): no characters of it."""
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token in tokens:
+    for i, token in enumerate(tokens):
         text, raw = token_text(token.token_id)
         result["tokens"].append(text)
         result["token_logprobs"].append(token.logprob)
@@ -75,5 +90,5 @@ def completion_logprobs(tokens: list[SampledToken], token_text: TokenText, offse
             if token.logprob is not None:
                 choices.setdefault(text, token.logprob)
             result["top_logprobs"].append(choices)
-        result["text_offset"].append(offsets.next(raw))
+        result["text_offset"].append(offsets.next([] if i in unseen else raw))
     return result

@@ -54,10 +54,17 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class EchoedPrompt:
-    """What `echo` puts before a completion: the prompt as text, and its token ids."""
+    """What `echo` puts before a completion: the prompt as text, and its token ids (the first `num_unseen_before`
+    and the last `num_unseen_after` of them are not in the text: the special tokens the tokenizer added to it)."""
 
     text: str
     token_ids: list[int]
+    num_unseen_before: int = 0
+    num_unseen_after: int = 0
+
+    def unseen(self) -> set[int]:
+        n = len(self.token_ids)
+        return set(range(self.num_unseen_before)) | set(range(n - self.num_unseen_after, n))
 
 
 class _Responses:
@@ -243,13 +250,14 @@ class CompletionResponses(_Responses):
         return {**self._envelope(self.response_object, choices), "usage": usage.as_dict()}
 
     def _choice(self, index: int, result: ChoiceOutput, echo: EchoedPrompt | None) -> dict[str, Any]:
-        text, tokens = result.text, result.logprobs or []
+        text, tokens, unseen = result.text, result.logprobs or [], set[int]()
         if echo is not None:
+            unseen = echo.unseen()
             text = echo.text + text
             scored = result.prompt_logprobs or [None] * len(echo.token_ids)
             # The first prompt token has no logprob (nothing comes before it): no top_logprobs either.
             tokens = [s or SampledToken(t) for t, s in zip(echo.token_ids, scored)] + tokens
-        logprobs = completion_logprobs(tokens, self.token_text, TextOffsets()) if self.wants_logprobs else None
+        logprobs = completion_logprobs(tokens, self.token_text, TextOffsets(), unseen) if self.wants_logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason,
                 "stop_reason": result.stop_reason}  # fmt: skip
 

@@ -78,7 +78,9 @@ async def completions() -> Response:
         echoes = None
         if body.echo:
             texts = [p if isinstance(p, str) else await s.engine.decode(p) for p in prompts]
-            echoes = [EchoedPrompt(text, r.prompt_token_ids) for text, r in zip(texts, batch)]
+            added = s.token_text.num_added_to_text  # in the token ids of a text prompt, not in its text
+            echoes = [EchoedPrompt(text, r.prompt_token_ids, *(added if isinstance(p, str) else (0, 0)))
+                      for text, r, p in zip(texts, batch, prompts)]  # fmt: skip
         results = await generate_batch(s, reservation, batch)
     return json_response(fmt.batch_response(results, echoes))
 

@@ -14,9 +14,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from tokenizers import processors
+
+from engine.outputs import ChoiceOutput
+from web.logprobs import TokenText
+from web.responses import CompletionResponses, EchoedPrompt
 
 from tests.support.engine_helpers import hf_model
 from tests.support.server_harness import REPO, ThreadedServer, llm_engine_loader, tiny_engine_config
+from tests.support.tiny_models import build_tokenizer
 
 
 MODEL = "tiny"
@@ -136,6 +142,22 @@ def test_echo_returns_the_prompt_with_the_logprob_of_every_prompt_token(
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     cached = completion(http, prompt=prompt, max_tokens=1)
     assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_an_echoed_prompts_text_offsets_give_no_characters_to_the_bos_its_text_does_not_show() -> None:
+    """A tokenizer that puts a BOS before every text (Gemma's, Llama's): the echoed text is the prompt as sent."""
+    tokenizer = build_tokenizer()
+    bos = ("<|endoftext|>", tokenizer.bos_token_id)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
+    token_text = TokenText(tokenizer)
+    assert token_text.num_added_to_text == (1, 0)
+    ids = tokenizer.encode("Hello world")
+    echo = EchoedPrompt("Hello world", ids, *token_text.num_added_to_text)
+    body = CompletionResponses("tiny", token_text, True, False).batch_response([[ChoiceOutput(0)]], [echo])
+    logprobs = body["choices"][0]["logprobs"]
+    pieces = logprobs["tokens"]
+    assert ids[0] == tokenizer.bos_token_id and "".join(pieces[1:]) == body["choices"][0]["text"] == "Hello world"
+    assert logprobs["text_offset"] == [0] + [len("".join(pieces[1:i])) for i in range(1, len(pieces))]
 
 
 def test_echo_without_logprobs_and_refusals(http: httpx.Client) -> None:
