@@ -248,12 +248,22 @@ class ChatTemplateFields(BaseModel):
 MAX_MESSAGES = 8192
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ToolsField(BaseModel):
+    model_config = StrictModel
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [
+            FunctionTool(t.function.name, t.function.description, closed_objects(t.function.parameters or {}))
+            for t in self.tools or []
+        ]
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolsField):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[ToolSpec] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     functions: list[Any] | None = None
@@ -298,12 +308,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         if choice is None:
             return ("auto" if self.tools else "none"), None
         return choice, None
-
-    def function_tools(self) -> list[FunctionTool]:
-        return [
-            FunctionTool(t.function.name, t.function.description, closed_objects(t.function.parameters or {}))
-            for t in self.tools or []
-        ]
 
     def wire_names(self) -> dict[str, str]:
         if self.max_completion_tokens is not None:
@@ -351,8 +355,8 @@ class CompletionRequest(SamplingFields):
         return {"prompt_logprobs": "logprobs"}
 
 
-class TokenizeRequest(RequestBody, ChatTemplateFields):
-    """/tokenize, as vLLM's: a prompt, or chat messages through the chat template."""
+class TokenizeRequest(RequestBody, ChatTemplateFields, ToolsField):
+    """/tokenize, as vLLM's: a prompt, or chat messages (and tools) through the chat template."""
 
     model: str | None = None
     prompt: str | None = None

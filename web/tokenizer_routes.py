@@ -11,6 +11,7 @@ from web.json_response import json_response
 from web.routes import parse_json, receive_body
 from web.schemas import DetokenizeRequest, TokenizeRequest, parse_request
 from web.services import Services, services
+from web.tool_calls import plan_tools
 
 blueprint = Blueprint("tokenizer", __name__)
 Body = TypeVar("Body", TokenizeRequest, DetokenizeRequest)
@@ -29,9 +30,11 @@ async def tokenizer_request(s: Services, model: type[Body]) -> Body:
 async def tokenize() -> Response:
     s = services()
     body = await tokenizer_request(s, TokenizeRequest)
-    if body.messages is not None:
+    if body.messages is not None:  # as a chat request renders them, its tools (tool_choice "auto") included
+        tools = body.function_tools()
         messages = [m.as_template_dict() for m in body.messages]
-        tokens = await s.engine.encode_chat(messages, **body.template_options())
+        plan = plan_tools(s.tool_format, messages, tools, "auto" if tools else "none", None, True, s.tool_marker_tokens)
+        tokens = await s.engine.encode_chat(plan.messages, **plan.template_kwargs, **body.template_options())
     else:
         add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = await s.engine.encode_text(body.prompt or "", add_special_tokens=add_special_tokens)

@@ -79,6 +79,11 @@ def test_tokenize_and_detokenize_round_trip(server: ThreadedServer, http: httpx.
     assert chat == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     bare = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
     assert chat[: len(bare)] == bare and len(bare) < len(chat)
+    # with tools, the prompt a chat request with them has (here the tiny template's generic mode: a system prompt)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with_tools = http.post("/tokenize", json={"messages": messages, "tools": tools}).json()["count"]
+    answer = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 1})
+    assert with_tools == answer.json()["usage"]["prompt_tokens"] > len(chat)
 
 
 def test_tokenizer_endpoints_refuse_bad_input(http: httpx.Client) -> None:
