@@ -33,6 +33,15 @@ from web.start_signals import signals_ignored_while_exiting, signals_stop_the_st
 SEND_BUFFER_BYTES = 128 * 1024
 
 
+def unacknowledged_ms(server: ServerConfig) -> int:
+    """TCP_USER_TIMEOUT of the listening socket, which the connections it accepts inherit: the kernel drops a
+    connection whose sent bytes go unacknowledged, or wait on a zero window, this long. A client that stopped
+    reading has its request aborted after client_read_timeout; its connection cannot close while the output
+    queued for it waits (Hypercorn waits for it to be written), so without this it stayed open, with its file and
+    its queued bytes, for as long as the client kept it. A client that vanished without a word goes as soon."""
+    return min(round(server.client_read_timeout * 1000), 2**31 - 1)
+
+
 def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_BYTES) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"{server.host}:{server.port}"]
@@ -47,6 +56,8 @@ def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_
         sockets = create_sockets()
         for sock in [*sockets.insecure_sockets, *sockets.secure_sockets]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+            if server.client_read_timeout > 0:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, unacknowledged_ms(server))
         return sockets
 
     config.create_sockets = sockets_with_bounded_send_buffers  # type: ignore[method-assign]
