@@ -122,9 +122,10 @@ def _load(config: EngineConfig) -> LoadedModel:
 def _native_ops(config: EngineConfig) -> ModuleType | None:
     """The native step's module if this config runs it, else None (and says why)."""
     if config.quantize == "none" or config.dtype != "bfloat16":
-        # float32 stays the exact dense reference
-        log.info("eager PyTorch path: dtype %s, quantize %s (the native step runs bfloat16 + auto)", config.dtype,
-                 config.quantize)  # fmt: skip
+        # float32 stays the exact dense reference; a server chosen so is told what it gave up
+        log.warning("eager PyTorch path (the reference, about 10x slower than the native step, not batch-invariant):"
+                    " dtype %s, quantize %s; the native step runs dtype bfloat16 with quantize auto or requantize",
+                    config.dtype, config.quantize)  # fmt: skip
         return None
     from engine.native import native_ops
 

@@ -596,6 +596,14 @@ def test_switched_off_or_missing_extension_falls_back_to_eager(monkeypatch, grid
     assert native_ops() is not None
 
 
+@pytest.mark.parametrize("chosen", [{"dtype": "float32"}, {"dtype": "float16"}, {"quantize": "none"}])
+def test_a_setting_that_leaves_the_native_step_is_warned_of(grid_llama_dir: Path, caplog, chosen: dict) -> None:
+    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+        llm = LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64, **chosen)
+    assert llm.engine.runner.backend.name == "eager"
+    assert "eager PyTorch path (the reference, about 10x slower than the native step" in caplog.text
+
+
 def test_sluice_isa_forces_a_variant_and_refuses_one_the_cpu_lacks(monkeypatch) -> None:
     runnable = engine_native.available_isas(ops)
     try:
