@@ -50,6 +50,7 @@ class InputProcessor:
         self.grammar_compiler = GrammarCompiler(tokenizer, min(len(tokenizer), vocab_size), eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.context_limit = "max_model_len"  # what sets max_model_len, as the errors name it
         self.max_num_seqs = max_num_seqs  # n choices run at once: a request's n must fit in one batch
         # Every token covers at most this many characters of text (its raw form is at least as long as the
         # text it encodes), so a longer prompt has more than max_model_len tokens. The vocabulary's strings, when
@@ -136,10 +137,14 @@ class InputProcessor:
         return list(token_ids)
 
     # ---- checks --------------------------------------------------------------------------------------
+    def _context_is(self) -> str:
+        """OpenAI's words for a request over the context (clients such as litellm and LangChain match them)."""
+        return f"This model's maximum context length is {self.max_model_len} tokens ({self.context_limit})."
+
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
             raise InvalidRequest(
-                f"{_context_is(self.max_model_len)} However, {_subject(param)} {num_chars} characters: more than "
+                f"{self._context_is()} However, {_subject(param)} {num_chars} characters: more than "
                 f"it can hold. Please reduce the length of the {param}.",
                 param=param,
                 code=CONTEXT_LENGTH_EXCEEDED,
@@ -154,7 +159,7 @@ class InputProcessor:
     def _check_num_tokens(self, num_prompt: int, param: str) -> None:
         if num_prompt >= self.max_model_len:
             raise InvalidRequest(
-                f"{_context_is(self.max_model_len)} However, {_subject(param)} {num_prompt} tokens, and at least "
+                f"{self._context_is()} However, {_subject(param)} {num_prompt} tokens, and at least "
                 f"one token must be left for the output. Please reduce the length of the {param}.",
                 param=param,
                 code=CONTEXT_LENGTH_EXCEEDED,
@@ -176,7 +181,7 @@ class InputProcessor:
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise InvalidRequest(
-                f"{_context_is(self.max_model_len)} However, you requested {num_prompt + max_tokens} tokens "
+                f"{self._context_is()} However, you requested {num_prompt + max_tokens} tokens "
                 f"({num_prompt} in the prompt, {max_tokens} in max_tokens). Please reduce the length of the prompt "
                 f"or max_tokens.",
                 param="max_tokens",
@@ -207,10 +212,6 @@ def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0][:200] if text else type(error).__name__
 
-
-def _context_is(max_model_len: int) -> str:
-    """OpenAI's words for a request over the context (clients such as litellm and LangChain match them)."""
-    return f"This model's maximum context length is {max_model_len} tokens (max_model_len)."
 
 
 def _subject(param: str) -> str:

@@ -55,12 +55,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         kv_capacity = config.num_kv_blocks * config.block_size
         self.max_model_len = min(config.max_model_len, loaded.max_position_embeddings, kv_capacity)
-        if self.max_model_len < min(config.max_model_len, loaded.max_position_embeddings):
+        is_cut_by_pool = self.max_model_len < min(config.max_model_len, loaded.max_position_embeddings)
+        if is_cut_by_pool:
             logger.warning("max_model_len is cut to %d tokens: the KV pool holds no more (num_kv_blocks %d x "
                            "block_size %d); more blocks allow longer contexts", kv_capacity, config.num_kv_blocks,
                            config.block_size)  # fmt: skip
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
+        if is_cut_by_pool:
+            self.input_processor.context_limit = (f"max_model_len, cut to what the KV pool holds: num_kv_blocks "
+                                                  f"{config.num_kv_blocks} x block_size {config.block_size}")  # fmt: skip
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
         logger.info("KV pool %d blocks x %d tokens, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "

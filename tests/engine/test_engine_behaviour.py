@@ -148,6 +148,15 @@ def test_length_errors_name_the_text_in_a_sentence(llm):
     assert not llm.engine.has_unfinished_requests
 
 
+def test_a_context_cut_to_the_kv_pool_says_so_in_its_errors(tiny_llama_dir):
+    small = make_llm(tiny_llama_dir, num_kv_blocks=8, block_size=4)  # 32 tokens, under the model's positions
+    assert small.engine.max_model_len == 32
+    cut = r"^This model's maximum context length is 32 tokens \(max_model_len, cut to what the KV pool holds: " \
+          r"num_kv_blocks 8 x block_size 4\)\. However, the prompt has \d+ tokens"  # fmt: skip
+    with pytest.raises(ValueError, match=cut):
+        small.generate(["x " * 40], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
