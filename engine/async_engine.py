@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 ENGINE_FAILED = "the engine failed; the server is shutting down"
 WATCHDOG_INTERVAL = 0.25  # seconds between the watchdog's looks at the step and the readers
+# A look this much later than due: the process did not run (SIGSTOP, a paused container or VM), and that time is
+# neither a step's nor a reader's. (A busy loop is late by milliseconds; a forward pass never holds the loop.)
+PAUSED_SECONDS = 2.0
 STOP_MARGIN = 2.0  # seconds a stopping loop may still spend finishing its forward pass before it is abandoned
 
 
@@ -406,12 +409,16 @@ class AsyncEngine:
     async def _watch(self, loop_scope: anyio.CancelScope) -> None:
         """A forward pass past step_timeout stalls the engine: every stream ends with an error and the loop
         stops (the process then exits). A reader that leaves output unread past client_read_timeout is aborted."""
+        last_look = time.monotonic()
         while True:
             await anyio.sleep(WATCHDOG_INTERVAL)
             now = time.monotonic()
+            paused, last_look = now - last_look - WATCHDOG_INTERVAL, now
+            if paused > PAUSED_SECONDS:
+                self._discount_pause(paused)
             started = self._forward_started
             if started is not None and now - started > self.step_timeout:
-                logger.error("a forward pass has run for %.0f s (step_timeout %.0f s): the engine is stalled",
+                logger.error("a forward pass has run for %.3g s (step_timeout %g s): the engine is stalled",
                              now - started, self.step_timeout)  # fmt: skip
                 self._state = EngineState.STALLED
                 self._end_everything(FinishReason.ERROR, f"the engine stalled (a step ran over {self.step_timeout:g} s)")
@@ -419,6 +426,16 @@ class AsyncEngine:
                 self._abandon_forward()
                 return
             abort_abandoned(self._requests.values(), self.client_read_timeout, self.abort)
+
+    def _discount_pause(self, seconds: float) -> None:
+        """Time the process did not run counts against neither the running forward pass nor a reader."""
+        logger.warning("the process did not run for %.1f s (stopped or paused): not counted against step_timeout "
+                       "or client_read_timeout", seconds)  # fmt: skip
+        if self._forward_started is not None:
+            self._forward_started += seconds
+        for request in self._requests.values():
+            if request.unread_since is not None:
+                request.unread_since += seconds
 
     # -- drain ----------------------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:

@@ -3,6 +3,9 @@ watchdog, slow readers and failures."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -328,6 +331,31 @@ async def test_a_stalled_step_ends_every_stream_and_stops_the_loop(make_engine) 
             async_engine.generate(prepared(engine, "late", "Hello", max_tokens=3))
     finally:
         release.set()
+
+
+async def test_time_the_process_was_stopped_is_not_a_stalled_step(make_engine) -> None:
+    """SIGSTOP (a paused container or VM) for 2.5 s in the middle of a forward pass, step_timeout 1 s: the pass
+    goes on after SIGCONT and the streams finish (the watchdog took the paused time for a stall)."""
+    engine = make_engine()
+    real_execute = engine.execute
+    paused: list[subprocess.Popen] = []
+
+    def execute_with_a_pause(plan: Any) -> Any:
+        if not paused:
+            paused.append(subprocess.Popen(["sh", "-c", f"sleep 2.5; kill -CONT {os.getpid()}"]))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(0.5)  # still running when the watchdog first looks after the pause
+        return real_execute(plan)
+
+    engine.execute = execute_with_a_pause  # type: ignore[method-assign]
+    async_engine = AsyncEngine(lambda: engine, max_pending=8, step_timeout=1.0)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(async_engine.run)
+            outputs = await collect(async_engine.generate(prepared(engine, "paused", "Hello", max_tokens=5)))
+            tg.cancel_scope.cancel()
+    assert paused[0].wait(5) == 0  # it woke the process
+    assert outputs[-1].finish_reason == "length" and async_engine.state is not EngineState.STALLED
 
 
 async def test_drain_returns_in_bounded_time_with_a_stuck_forward_pass(make_engine) -> None:
