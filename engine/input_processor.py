@@ -8,9 +8,12 @@ anyone tokenizes them.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
@@ -78,11 +81,12 @@ class InputProcessor:
                 return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except TypeError:  # the tokenizer takes no text that is not UTF-8: a lone surrogate, say
                 raise InvalidRequest("prompt is not valid Unicode text (a lone surrogate?)", param="prompt") from None
+        prompt = as_token_list(prompt)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
         self._check_num_tokens(len(prompt), "prompt")
         self._check_vocabulary(prompt, "prompt")
-        return list(prompt)
+        return [int(t) for t in prompt]
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids back to text, special tokens included (what /detokenize and echo show)."""
@@ -153,7 +157,9 @@ class InputProcessor:
     def _check_vocabulary(self, token_ids: list[int], param: str) -> None:
         vocab = self.vocab_size
         for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab:
+            if not is_token_id(token_id):
+                raise InvalidRequest(f"token ids are integers, not {type(token_id).__name__} ({token_id!r})", param)
+            if not 0 <= token_id < vocab:
                 raise InvalidRequest(f"token id {token_id!r} is outside the vocabulary [0, {vocab})", param=param)
 
     def _check_num_tokens(self, num_prompt: int, param: str) -> None:
@@ -166,6 +172,8 @@ class InputProcessor:
             )
 
     def _prepare(self, request_id: str, prompt: list[int], params: SamplingParams, param: str) -> PreparedRequest:
+        if not isinstance(request_id, str):
+            raise InvalidRequest(f"request_id must be a string, not {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         params.check()
@@ -217,6 +225,16 @@ def _first_line(error: BaseException) -> str:
 def _subject(param: str) -> str:
     """'the prompt has' / 'the messages have': the start of a sentence about a request's text."""
     return f"the {param} have" if param.endswith("s") else f"the {param} has"
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def as_token_list(prompt: Any) -> Any:
+    """A numpy array or torch tensor of token ids as a list (their elements as they are); anything else as is."""
+    return prompt.tolist() if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)) else prompt
 
 
 def merged_turns(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

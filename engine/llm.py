@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from engine.config import engine_config
 from engine.errors import InvalidRequest
-from engine.input_processor import chat_template_options
+from engine.input_processor import as_token_list, chat_template_options, is_token_id
 from engine.llm_engine import LLMEngine
 from engine.outputs import ChoiceOutput, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -44,7 +44,8 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Generate for each prompt (a string or a list of token ids); results in the order given, each with
         its SamplingParams.n choices in `outputs`."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = as_token_list(prompts)  # a numpy array or torch tensor: one prompt (1-D) or a batch (2-D)
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of those, not "

@@ -4,7 +4,9 @@ import itertools
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.errors import InvalidRequest
@@ -107,6 +109,8 @@ def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
         ([], SamplingParams(), "non-empty"),
         ([1, 2, 10**6], SamplingParams(), "outside the vocabulary"),
         ([1, -3], SamplingParams(), "outside the vocabulary"),
+        ([1, 2.0], SamplingParams(), "token ids are integers, not float (2.0)"),
+        ([1, True], SamplingParams(), "token ids are integers, not bool (True)"),
         ("x " * 600, SamplingParams(max_tokens=4), "max_model_len"),
         ("hello", SamplingParams(max_tokens=600), "600 in max_tokens"),
         ("hello", SamplingParams(max_tokens=None, min_tokens=100_000), "min_tokens (100000)"),
@@ -128,6 +132,16 @@ def test_bad_input_raises_before_any_state_changes(llm, prompt, params, message)
     finally:
         while engine.has_unfinished_requests:
             engine.step()
+
+
+def test_token_ids_may_come_as_numpy_or_torch_integers_and_a_request_id_is_a_string(llm):
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    expected = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].token_ids
+    for prompts in (np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7], torch.tensor([[5, 6, 7]])):
+        assert llm.generate(prompts, greedy, use_tqdm=False)[0].token_ids == expected
+    with pytest.raises(ValueError, match="request_id must be a string, not NoneType"):
+        llm.engine.add_request(None, "Hello", greedy)
+    assert not llm.engine.has_unfinished_requests
 
 
 @pytest.mark.parametrize("prompts", [None, 5, {"prompt": "x"}])
