@@ -444,11 +444,13 @@ class AsyncEngine:
         Returns within timeout + STOP_MARGIN even when a forward pass is stuck: that pass is then abandoned."""
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
+        num_in_flight = len(self._requests)
         if self._has_unfinished():
             if self._all_finished is None:  # one event for every drain: a second call must not orphan the first
                 self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
+        log_drained(num_in_flight, len(self._requests), timeout)
         self._end_everything(FinishReason.ABORT)
         self._stop_requested = True
         self._wakeup.set()
@@ -477,3 +479,10 @@ class AsyncEngine:
     def _note_finished(self) -> None:
         if self._all_finished is not None and not self._has_unfinished():
             self._all_finished.set()
+
+
+def log_drained(num_in_flight: int, num_left: int, timeout: float) -> None:
+    """What a drain did with the requests in flight when it began (nothing to say when there were none)."""
+    if num_in_flight:
+        logger.info("drain: %d of %d requests in flight finished, %d ended with finish_reason 'abort' at "
+                    "drain_timeout (%g s)", num_in_flight - num_left, num_in_flight, num_left, timeout)  # fmt: skip

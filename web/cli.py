@@ -83,6 +83,8 @@ def generate_main(argv: Sequence[str]) -> int:
     parser = generate_parser(argv)
     args = parser.parse_args(argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:  # a mistake, not a question: said before the model loads
+        parser.error("the prompt is empty" + (" (nothing came on standard input)" if args.prompt == "-" else ""))
     try:
         config = config_from_args(args)
         params = SamplingParams(

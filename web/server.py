@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m web.server") -> i
         return started
     code = anyio.run(serve_host, *started)
     signals_ignored_while_exiting()
+    logger.info("stopped: exit %d", code)
     return code
 
 

@@ -106,6 +106,10 @@ def test_bad_values_exit_2_with_the_reason() -> None:
     assert done.returncode == 2 and "max_pending must be >= 1" in done.stderr
     done = sluice("generate", "hi", "--top-p", "0")
     assert done.returncode == 2 and "top_p must be in (0, 1]" in done.stderr
+    for empty in (["", "--raw"], [""], ["-"]):  # chat sent an empty user message
+        done = subprocess.run([sys.executable, "-m", "web.cli", "generate", *empty], cwd=REPO, input="",
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2 and "the prompt is empty" in done.stderr and "Traceback" not in done.stderr
     done = sluice("frobnicate")
     assert done.returncode == 2 and "unknown command" in done.stderr
     done = sluice("serve", "--config", "no-such-file.toml")  # not the defaults, silently

@@ -224,6 +224,11 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_llama_dir, signum
         assert process.wait(timeout=30) == 0
         log = process.stdout.read().decode() if process.stdout else ""
         assert f"{signum.name}: draining" in log and "again" not in log  # one signal is one drain, not a second signal
+        drained = re.search(r"drain: (\d+) of (\d+) requests in flight finished, (\d+) ended with finish_reason "
+                            r"'abort' at drain_timeout \(0.5 s\)", log)  # fmt: skip
+        num_aborted = sum(e[-2]["choices"][0]["finish_reason"] == "abort" for e in results)
+        assert drained and int(drained[3]) == num_aborted and int(drained[1]) + num_aborted == int(drained[2]), log
+        assert log.rstrip().endswith("stopped: exit 0"), log[-500:]
     finally:
         if process.poll() is None:
             process.kill()

@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reservation
+from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reservation, log_drained
 from engine.config import SluiceConfig
 from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
@@ -238,11 +238,13 @@ class ClusterEngine:
         rest (each replica frees them), then stop the replicas and Ray."""
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
+        num_in_flight = len(self._requests)
         if self._requests:
             if self._all_finished is None:  # one event for every drain: a second call must not orphan the first
                 self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
+        log_drained(num_in_flight, len(self._requests), timeout)
         self._end_everything(FinishReason.ABORT)
         self._stop.set()
         await self._shutdown()
