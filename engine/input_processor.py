@@ -121,24 +121,32 @@ class InputProcessor:
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions", param="messages")
 
-        def render(conversation: list[Mapping[str, Any]]) -> Any:
-            return self.tokenizer.apply_chat_template(
+        def render(conversation: list[Mapping[str, Any]]) -> list[int]:
+            encoded = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
             )
+            return list(encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded)
 
         try:
-            encoded = render(normalized)
+            token_ids = render(normalized)
         except Exception as error:  # jinja raises its own errors for conversations a template rejects
             rejection = f"the chat template rejected the messages: {_first_line(error)}"
             merged = merged_turns(normalized)
             if merged == normalized:
                 raise InvalidRequest(rejection, "messages") from None
             try:
-                encoded = render(merged)
+                token_ids = render(merged)
             except Exception:
                 raise InvalidRequest(rejection, "messages") from None
-        token_ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
-        return list(token_ids)
+        instructions = [m["content"] for m in normalized if m["role"] in ("system", "developer")]
+        if len(instructions) == len(normalized) and not self._shows(token_ids, instructions):
+            # Gemma's template writes its system message into the first user turn: with none, it drops it
+            token_ids = render([{"role": "user", "content": "\n\n".join(instructions)}])
+        return token_ids
+
+    def _shows(self, token_ids: list[int], texts: list[str]) -> bool:
+        prompt = self.tokenizer.decode(token_ids)
+        return all(text.strip() in prompt for text in texts)
 
     # ---- checks --------------------------------------------------------------------------------------
     def _context_is(self) -> str:

@@ -80,6 +80,8 @@ def test_gemma3_270m_renders_runs_of_one_role_its_template_refuses_as_one_turn(g
     assert "<start_of_turn>user\nHi\n\nthere<end_of_turn>\n<start_of_turn>model\n" in render(hi, there)
     with pytest.raises(ValueError, match="the chat template rejected the messages: Conversation roles must"):
         render({"role": "assistant", "content": "Hello"}, hi)  # no merging makes it alternate
+    # The template writes the system text into the first user turn, and dropped it when there was none
+    assert render(system) == "<bos><start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n"
 
 
 def test_gemma3_270m_native_step_matches_transformers_and_is_batch_invariant(
