@@ -229,7 +229,6 @@ def _first_line(error: BaseException) -> str:
     return text[0][:200] if text else type(error).__name__
 
 
-
 def _subject(param: str) -> str:
     """'the prompt has' / 'the messages have': the start of a sentence about a request's text."""
     return f"the {param} have" if param.endswith("s") else f"the {param} has"
