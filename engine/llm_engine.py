@@ -63,8 +63,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
         if is_cut_by_pool:
-            self.input_processor.context_limit = (f"max_model_len, cut to what the KV pool holds: num_kv_blocks "
-                                                  f"{config.num_kv_blocks} x block_size {config.block_size}")  # fmt: skip
+            pool = f"num_kv_blocks {config.num_kv_blocks} x block_size {config.block_size}"
+            self.input_processor.context_limit = f"max_model_len, cut to what the KV pool holds: {pool}"
         self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(loaded, config)
         logger.info("KV pool %d blocks x %d tokens, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "

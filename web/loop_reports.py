@@ -36,7 +36,7 @@ def drop_cancelled_connection_reports(loop: asyncio.AbstractEventLoop) -> None:
         if is_cancelled_connection(context):
             return
         if is_timed_out_connection(context):
-            logger.info("a connection closed: its client acknowledged nothing for client_read_timeout")
+            logger.info("a connection closed: its client acknowledged nothing for too long (TCP_USER_TIMEOUT)")
             return
         if previous is not None:
             previous(loop, context)

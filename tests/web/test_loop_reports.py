@@ -36,5 +36,5 @@ def test_connections_cancelled_at_shutdown_or_timed_out_are_not_errors_and_other
     messages = [r.getMessage() + str(r.exc_info) for r in caplog.records if r.name == "asyncio"]
     assert len(messages) == 1 and "ZeroDivisionError" in messages[0]
     closed = [r for r in caplog.records if r.name == "sluice.server"]
-    assert [r.getMessage() for r in closed] == ["a connection closed: its client acknowledged nothing for "
-                                                "client_read_timeout"] and closed[0].levelno == logging.INFO  # fmt: skip
+    assert [r.getMessage() for r in closed] == ["a connection closed: its client acknowledged nothing for too long "
+                                                "(TCP_USER_TIMEOUT)"] and closed[0].levelno == logging.INFO  # fmt: skip
