@@ -237,7 +237,7 @@ class GGUFCheckpoint:
     def hf_config(self) -> Any:
         from engine.checkpoint.gguf_config import config_from_metadata
 
-        return self._header_cache.config(lambda: config_from_metadata(self.metadata, self.tensors))
+        return config_from_metadata(self.metadata, self.tensors)
 
     def tokenizer(self) -> Any:
         return self._header_cache.tokenizer(self._converted_tokenizer)

@@ -1,11 +1,9 @@
-"""What transformers builds from a GGUF's header, its config and its tokenizer, kept on disk between starts.
+"""What transformers builds from a GGUF's header, its tokenizer, kept on disk between starts.
 
-Building them is most of a start that is not importing torch: the config's class pulls in torch.distributed and
-sympy through transformers' imports (~1.2 s), and converting a vocabulary takes 0.2 s for 49k tokens and 3 s for
-Gemma 3's 262k (BPE merges rebuilt in Python). Both depend on the header alone (metadata and tensor table), so an
-entry is keyed by the header's bytes, the versions of transformers and tokenizers, and the source of Sluice's own
-conversion: a changed file, library or rule is a new entry, never a stale one. A cached config comes back as
-transformers' PreTrainedConfig carrying every value the model's own class set (its to_dict()).
+Converting a vocabulary takes ~0.45 s for 49k tokens and 3 s for Gemma 3's 262k (BPE merges rebuilt in Python). It
+depends on the header alone (metadata and tensor table), so an entry is keyed by the header's bytes, the versions
+of transformers and tokenizers, and the source of Sluice's own conversion: a changed file, library or rule is a
+new entry, never a stale one. (The config is not kept: gguf_config builds it in milliseconds.)
 
 An entry is written whole into a temporary folder and renamed into place; an unreadable one is rebuilt. The
 MAX_ENTRIES most recently used entries are kept (an entry is tens of MB at most: Gemma 3's vocabulary is 32 MB).
@@ -28,10 +26,9 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-FORMAT = "1"  # of an entry's files
+FORMAT = "2"  # of an entry's files
 MAX_ENTRIES = 16
-_SOURCES = ("gguf_config.py", "gguf_file.py", "header_cache.py")  # the conversion's rules
-CONFIG_FILE = "config.json"
+_SOURCES = ("gguf_file.py", "header_cache.py")  # the conversion's rules
 TOKENIZER_FILE = "tokenizer.json"  # written last: an entry with it is whole
 TOKENIZER_KWARGS = "kwargs.json"
 
@@ -55,26 +52,6 @@ class HeaderCache:
     def __init__(self, root: Path | None, header: np.ndarray) -> None:
         self.entries = root / "gguf-header" if root is not None else None
         self.dir = self.entries / entry_key(header) if self.entries is not None else None
-
-    def config(self, build: Callable[[], Any]) -> Any:
-        """transformers' config of the model, from build() (the model's own config class) or from the entry."""
-
-        def load(folder: Path) -> Any:
-            from transformers.configuration_utils import PreTrainedConfig
-
-            values = json.loads((folder / CONFIG_FILE).read_text())
-            config = PreTrainedConfig(**values)
-            for key, value in values.items():  # the few the base class keeps elsewhere (e.g. use_cache)
-                if not hasattr(config, key):
-                    setattr(config, key, value)
-            return config
-
-        cached = self._read("config", CONFIG_FILE, load)
-        if cached is not None:
-            return cached
-        config = build()
-        self._write("config", lambda folder: (folder / CONFIG_FILE).write_text(config.to_json_string(use_diff=False)))
-        return config
 
     def tokenizer(self, build: Callable[[], tuple[Any, dict[str, Any]]]) -> Any:
         """transformers' fast tokenizer of a converted vocabulary: build() gives the vocabulary (a
