@@ -157,6 +157,7 @@ class AsyncEngine:
         self._forward_scope: anyio.CancelScope | None = None
         self._forward_started: float | None = None  # monotonic start of the running forward pass
         self.is_forward_abandoned = False
+        self.is_load_abandoned = False  # stopped while loading: the load's thread is left to run (it cannot stop)
 
     # -- the public face the HTTP layer uses ---------------------------------------------------------------
     @property
@@ -276,9 +277,12 @@ class AsyncEngine:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Load and warm the engine (in a worker thread), report started, then step until stopped."""
         try:
-            self._engine = await anyio.to_thread.run_sync(self._load_engine)
+            # abandon_on_cancel: a stop during a load (SIGTERM while a large file packs) is not kept waiting for it
+            self._engine = await anyio.to_thread.run_sync(self._load_engine, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             self._state = EngineState.STOPPED
+            self.is_load_abandoned = True
+            logger.info("stopped before the model had loaded")
             raise
         except BaseException:
             self._state = EngineState.DEAD

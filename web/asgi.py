@@ -111,6 +111,9 @@ class SluiceASGI:
             await receive()  # lifespan.shutdown
             await self._drain()
             tg.cancel_scope.cancel()
+        if getattr(self.engine, "is_load_abandoned", False) and self._stop is None:
+            # a process of its own, whose exit the load's thread would keep waiting (a server in a thread is not)
+            arm_hard_exit("the model's load is still running in its thread: exiting now", 0)
         gc.unfreeze()  # what the engine leaves behind can be collected (an app started again in this process)
         await send({"type": "lifespan.shutdown.complete"})
 
@@ -222,13 +225,14 @@ def build_engine(config: SluiceConfig) -> AsyncEngine:
     )
 
 
-def arm_hard_exit() -> None:
-    """A forward pass was abandoned in its thread: make sure the process ends (non-zero) soon."""
+def arm_hard_exit(why: str = "a forward pass is still running in its thread: exiting now", code: int = 1) -> None:
+    """A thread was abandoned (a forward pass, or a load a stop did not wait for): make sure the process ends
+    soon, with `code`."""
 
     def hard_exit() -> None:
-        logger.error("a forward pass is still running in its thread: exiting now")
+        logger.log(logging.ERROR if code else logging.INFO, why)
         logging.shutdown()
-        os._exit(1)
+        os._exit(code)
 
     timer = threading.Timer(HARD_EXIT_SECONDS, hard_exit)
     timer.daemon = True

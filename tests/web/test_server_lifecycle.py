@@ -370,6 +370,34 @@ def test_stop_writes_out_a_slow_readers_finished_stream(tiny_llama_dir) -> None:
     assert received.rstrip(b"\r\n0").endswith(b"data: [DONE]"), received[-300:]
 
 
+# The server with a load that never ends (a stand-in for a large file, or a file whose metadata keeps it busy).
+ENDLESS_LOAD_SERVER = """
+import sys, threading
+from engine import llm_engine
+llm_engine.LLMEngine.__init__ = lambda self, config: threading.Event().wait()
+from web.server import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_the_model_loads_exits_zero_without_waiting_for_the_load(tiny_llama_dir) -> None:
+    """The drain had nothing to wait for, but the exit waited for the load's thread: a server killed only by
+    SIGKILL (a file with 2^32 layers kept its load busy for good)."""
+    port = free_port()
+    command = [sys.executable, "-c", ENDLESS_LOAD_SERVER, "--model", str(tiny_llama_dir), "--port", str(port)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: health(f"http://127.0.0.1:{port}")[0] == 503 or process.poll() is not None, timeout=60)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        log = process.stdout.read().decode()
+        assert "stopped before the model had loaded" in log and "Traceback" not in log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
     release = threading.Event()
     load = llm_engine_loader(tiny_engine_config(tiny_llama_dir))
