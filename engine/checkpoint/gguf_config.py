@@ -185,6 +185,12 @@ def metadata_values(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> 
     for key, value in metadata.items():
         if key.startswith(prefix) and mapping.get(key[len(prefix) :]) not in (None, -1):
             values[mapping[key[len(prefix) :]]] = value
+    model_type = MODEL_TYPES.get(arch, arch)
+    key_length = metadata.get(f"{prefix}attention.key_length")
+    if "head_dim" in DEFAULTS[model_type] and "head_dim" not in values and key_length is not None:
+        values["head_dim"] = key_length  # Qwen 3's (transformers' table leaves it out: its class default is 128)
+    if arch == "mistral":
+        values["sliding_window"] = None  # llama.cpp runs a Mistral file, written as llama, with full attention
     if "vocab_size" not in values and "tokenizer.ggml.tokens" in metadata:
         tokens = metadata["tokenizer.ggml.tokens"]  # the header reader gives a count for a string array
         values["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
@@ -194,7 +200,7 @@ def metadata_values(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> 
     for key, token in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{token}" in metadata:
             values[key] = int(metadata[f"tokenizer.ggml.{token}"])
-    return MODEL_TYPES.get(arch, arch), values
+    return model_type, values
 
 
 def complete_config(model_type: str, values: Mapping[str, Any]) -> Any:

@@ -85,3 +85,14 @@ def test_a_gguf_config_imports_no_config_class() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_mistral_file_attends_to_all_of_its_context_and_a_qwen3_file_has_its_key_length() -> None:
+    """transformers' Mistral class gives a 4096-token window to a file that states none (llama.cpp runs Mistral
+    files, written as llama, with full attention); a Qwen 3 file's head size is its attention.key_length, where
+    transformers' table leaves it to the class default (128)."""
+    mistral = complete_config(*metadata_values(_metadata("mistral", None), {}))
+    assert mistral.model_type == "mistral" and mistral.sliding_window is None
+    metadata = {**_metadata("qwen3", None), "qwen3.attention.key_length": 32}
+    assert complete_config(*metadata_values(metadata, {})).head_dim == 32
+    assert_same_as_the_class(metadata, {})  # the class given the same head size
