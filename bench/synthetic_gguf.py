@@ -55,6 +55,7 @@ def write_llama_gguf(
     tied: bool = False,
     seed: int = 0,
     with_merges: bool = True,  # False: a file whose tokenizer lacks its merges (a broken conversion)
+    rope_factors: np.ndarray | None = None,  # llama.cpp's rope_freqs.weight (Llama 3.1+): one per rotary pair
 ) -> Path:
     rng = np.random.default_rng(seed)
     tok = smollm2_tokenizer()
@@ -103,6 +104,8 @@ def write_llama_gguf(
             add(f"blk.{i}.{role}.weight", role, n, k)
         add_norm(f"blk.{i}.ffn_norm.weight", hidden)
     add_norm("output_norm.weight", hidden)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
     if not tied:
         add("output.weight", "output", vocab, hidden)
     writer.write_header_to_file()

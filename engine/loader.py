@@ -51,10 +51,19 @@ class LoadedModel:
     longest_token_chars: int | None = None  # the vocabulary's longest string, where the checkpoint counts it
 
 
+# What a file's contents can raise past the checks that name what is wrong (a tensor the file lacks, a type the
+# conversion has no rule for, a vocabulary the tokenizer library refuses): the caller gets a ValueError naming the
+# file (one line from the CLI and the server), this error chained for the traceback
+_FILE_FAULTS = (KeyError, IndexError, TypeError, ZeroDivisionError, OverflowError, NotImplementedError, RuntimeError)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     _map_large_allocations(LOAD_MMAP_THRESHOLD)
     try:
         return _load(config)
+    except _FILE_FAULTS as error:
+        detail = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+        raise ValueError(f"the model {config.model or 'default'} cannot be run: {type(error).__name__}: {detail}") from error
     finally:
         _map_large_allocations(RUN_MMAP_THRESHOLD)
         _give_back_freed_memory()

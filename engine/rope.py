@@ -1,5 +1,6 @@
 """Where a query looks, from a Hugging Face config: rotary position tables (default, linear, llama3 and yarn
-kinds, per layer type where the config gives each its own) and sliding windows; shared by the eager layers and
+kinds, per layer type where the config gives each its own, divided by a GGUF's per-pair frequency factors where it
+has them) and sliding windows; shared by the eager layers and
 the native step."""
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def rope_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) 
     kind = p["rope_type"]
     base = float(p["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factors = getattr(hf_config, "rope_freq_factors", None)  # a GGUF's rope_freqs tensor (gguf_names.ROPE_FACTORS)
+    if factors is not None:
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"the rotary frequency factors (rope_freqs.weight) are {len(factors)}, where the "
+                             f"heads' {head_dim} dimensions make {head_dim // 2} rotary pairs")  # fmt: skip
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":

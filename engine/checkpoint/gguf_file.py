@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.checkpoint.gguf_names import ArchTensors, arch_tensors
+from engine.checkpoint.gguf_checks import check_metadata
+from engine.checkpoint.gguf_names import ROPE_FACTORS, ArchTensors, arch_tensors
 from engine.checkpoint.header_cache import HeaderCache
 from engine.checkpoint.stored_tensor import StoredTensor, permuted_rows
 
@@ -86,9 +87,11 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
     if value_type == 9:
         element_type, count = struct.unpack_from("<IQ", blob, pos)
         pos += 12
-        if element_type in _VALUE_FORMATS:
-            fmt = f"<{count}{_VALUE_FORMATS[element_type]}"
-            return list(struct.unpack_from(fmt, blob, pos)), pos + struct.calcsize(fmt)
+        if element_type in _VALUE_FORMATS:  # a read-only view of the file: no Python object per element
+            end = pos + count * struct.calcsize(_VALUE_FORMATS[element_type])
+            if end > len(blob):
+                raise struct.error(f"an array of {count:,} values at byte {pos:,} runs past the end of the buffer")
+            return blob[pos:end].view(np.dtype("<" + _VALUE_FORMATS[element_type])), end
         if element_type != 8:
             raise ValueError(f"a metadata array of type {element_type}")
         strings, longest, length_at = StringArray(count), 0, struct.Struct("<Q").unpack_from
@@ -152,7 +155,9 @@ def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int
         except ValueError:
             raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, which the gguf package does not know") from None
         table.append(TensorInfo(name, tuple(reversed(dims)), ggml_type, offset, elements // block * block_bytes))
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = metadata.get("general.alignment", 32)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"its general.alignment is {alignment!r}, where GGUF needs a power of two (32 by default)")
     return metadata, table, -(-pos // alignment) * alignment
 
 
@@ -171,7 +176,7 @@ class GGUFCheckpoint:
             self._file = np.memmap(path, mode="r", dtype=np.uint8)
             self.metadata, table, self._data_start = read_header(self._file)
             self._header_cache = HeaderCache(cache_root, self._file[: self._data_start])
-        except (ValueError, OSError, KeyError, struct.error) as exc:  # UnicodeDecodeError is a ValueError
+        except (ValueError, OSError, KeyError, OverflowError, struct.error) as exc:  # UnicodeDecodeError: a ValueError
             data = getattr(self, "_file", None)  # unset when the file could not be mapped
             cut = "buffer" in str(exc) and data is not None and bytes(data[:4]) == b"GGUF"
             why = ("its header runs past the end of the file: the file is truncated (an interrupted download or copy?) "
@@ -184,17 +189,24 @@ class GGUFCheckpoint:
         self.architecture: str = self.metadata["general.architecture"]
         self.arch: ArchTensors = arch_tensors(self.architecture)
         self.tensors: dict[str, StoredTensor] = {}
+        self._rope_factors: StoredTensor | None = None
         unknown = []
         for info in table:
+            if info.name == ROPE_FACTORS:
+                self._rope_factors = self._stored(info)
+                continue
             name = self.arch.hf_name(info.name)
             if name is None:
                 unknown.append(info.name)
                 continue
+            if name in self.tensors:
+                raise ValueError(f"{path.name}: its header names two tensors {info.name!r}")
             self.tensors[name] = self._stored(info)
         if unknown:
             raise ValueError(
                 f"{path.name}: tensors Sluice does not know for architecture {self.architecture!r}: {unknown[:5]}"
             )
+        check_metadata(path.name, self.metadata, {name: t.shape for name, t in self.tensors.items()})
         if self.arch.permuted_qk:
             try:
                 self._unpermute_qk()
@@ -237,7 +249,10 @@ class GGUFCheckpoint:
     def hf_config(self) -> Any:
         from engine.checkpoint.gguf_config import config_from_metadata
 
-        return config_from_metadata(self.metadata, self.tensors)
+        config = config_from_metadata(self.metadata, self.tensors)
+        if self._rope_factors is not None:
+            config.rope_freq_factors = [float(f) for f in self._rope_factors.to_float().reshape(-1)]
+        return config
 
     def tokenizer(self) -> Any:
         return self._header_cache.tokenizer(self._converted_tokenizer)
@@ -267,6 +282,8 @@ class GGUFCheckpoint:
                 raise
             model = self.metadata.get("tokenizer.ggml.model")
             raise ValueError(f"{self.path.name}: its {model!r} tokenizer needs {missing}, which the file lacks") from None
+        except Exception as error:  # the tokenizers library refuses the vocabulary (a bare Exception for bad merges)
+            raise ValueError(f"{self.path.name}: its tokenizer cannot be built: {error}") from error
         return backend, {**tokenizer_config, **extra}
 
     def longest_token_chars(self) -> int | None:

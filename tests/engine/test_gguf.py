@@ -5,7 +5,9 @@ each type, and clear errors for files Sluice cannot run."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from engine.loader import load_model
 from engine.models.packaged import gemma3_270m_gguf
 from engine.native import native_ops
 from engine.native.native_backend import check_shapes, pack_weights
+from engine.rope import rope_inv_freq
 
 from tests.support.engine_helpers import hf_model
 
@@ -111,6 +114,46 @@ def test_q5_files_load_and_run(tmp_path: Path) -> None:
     path = write_llama_gguf(tmp_path / "q5.gguf", {"layers": "Q5_1", "attn_v": "Q5_0", "token_embd": "Q5_0"})
     llm = LLM(str(path), block_size=4, num_kv_blocks=32)
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == GREEDY.max_tokens
+
+
+def llama3_rope_factors(head_dim: int, base: float, factor: float, low: float, high: float, old_len: int) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs.weight for a Llama 3.1+ rope_scaling (one per rotary pair)."""
+    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factors = []
+    for wavelen in 2 * math.pi / inv_freq:
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_a_llama_3_file_runs_the_rotary_scaling_its_rope_factors_state(tmp_path: Path) -> None:
+    """Llama 3.1 / 3.2 files carry their long-context scaling as a rope_freqs.weight tensor: it was refused as a
+    tensor Sluice does not know."""
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    factors = llama3_rope_factors(64, 10000.0, *scaling.values())
+    assert 1.0 in factors and 8.0 in factors and ((factors > 1) & (factors < 8)).any()  # all three kinds of pair
+    types = {"layers": "Q8_0", "token_embd": "Q8_0"}
+    scaled = write_llama_gguf(tmp_path / "llama3.gguf", types, num_layers=1, rope_factors=factors)
+    plain = write_llama_gguf(tmp_path / "plain.gguf", types, num_layers=1)
+    cfg = open_checkpoint(str(scaled)).hf_config
+    llama3 = SimpleNamespace(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **scaling})
+    torch.testing.assert_close(rope_inv_freq(cfg, 64)[0], rope_inv_freq(llama3, 64)[0], rtol=1e-6, atol=0)
+    ids = list(range(100, 400))  # far enough for the low frequencies' angles to differ
+    exact = {"precision": "exact"}  # int16 activations: within their rounding of the float32 reference
+    native, eager, unscaled = (
+        LLM(str(path), block_size=4, num_kv_blocks=128, **kwargs)
+        for path, kwargs in ((scaled, exact), (scaled, {"dtype": "float32", "quantize": "none"}), (plain, exact))
+    )
+    assert native.engine.runner.backend.name == "native" and eager.engine.runner.backend.name == "eager"
+    with torch.inference_mode():
+        ours, expected, without = (full_logits(llm, ids) for llm in (native, eager, unscaled))
+    assert (ours - expected).abs().max() < 2e-2 * expected.abs().max()
+    assert (ours - without).abs().max() > 10 * (ours - expected).abs().max()
 
 
 def test_the_config_comes_from_the_metadata(mixed_gguf: Path) -> None:
