@@ -32,7 +32,7 @@ from anyio.abc import TaskStatus
 from engine.batch import StepOutput
 from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
-from engine.input_slot import InputSlot, chat_size, prompt_size
+from engine.input_slot import InputSlot, chat_size, prompt_size, with_grammar
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream, Request, RequestState, abort_abandoned
 from engine.sampling_params import SamplingParams
@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 ENGINE_FAILED = "the engine failed; the server is shutting down"
 WATCHDOG_INTERVAL = 0.25  # seconds between the watchdog's looks at the step and the readers
-# A look this much later than due: the process did not run (SIGSTOP, a paused container or VM), and that time is
-# neither a step's nor a reader's. (A busy loop is late by milliseconds; a forward pass never holds the loop.)
+# A look this much later than due, while the process used under half that time of CPU: it did not run (SIGSTOP, a
+# paused container or VM), and that time is neither a step's nor a reader's. (A loop held by work on it uses the
+# CPU all along: that is said, and not discounted.)
 PAUSED_SECONDS = 2.0
 STOP_MARGIN = 2.0  # seconds a stopping loop may still spend finishing its forward pass before it is abandoned
 
@@ -202,14 +203,14 @@ class AsyncEngine:
         """Tokenize and check (see input_slot). InvalidRequest: bad input; EngineUnavailable: 503."""
         processor = self._ready_engine().input_processor
         work = partial(processor.process_prompt, request_id, prompt, params)
-        return await self._inputs.run(work, prompt_size(prompt))
+        return await self._inputs.run(work, with_grammar(prompt_size(prompt), processor.grammar_compiler, params))
 
     async def prepare_chat(
         self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
     ) -> PreparedRequest:
         processor = self._ready_engine().input_processor
         work = partial(processor.process_chat, request_id, messages, params, **template_kwargs)
-        return await self._inputs.run(work, chat_size(messages, template_kwargs))
+        return await self._inputs.run(work, with_grammar(chat_size(messages, template_kwargs), processor.grammar_compiler, params))
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text to token ids (what /tokenize does)."""
@@ -413,13 +414,16 @@ class AsyncEngine:
     async def _watch(self, loop_scope: anyio.CancelScope) -> None:
         """A forward pass past step_timeout stalls the engine: every stream ends with an error and the loop
         stops (the process then exits). A reader that leaves output unread past client_read_timeout is aborted."""
-        last_look = time.monotonic()
+        last_look, last_cpu = time.monotonic(), time.process_time()
         while True:
             await anyio.sleep(WATCHDOG_INTERVAL)
-            now = time.monotonic()
-            paused, last_look = now - last_look - WATCHDOG_INTERVAL, now
-            if paused > PAUSED_SECONDS:
-                self._discount_pause(paused)
+            now, cpu = time.monotonic(), time.process_time()
+            late, cpu_used = now - last_look - WATCHDOG_INTERVAL, cpu - last_cpu
+            last_look, last_cpu = now, cpu
+            if late > PAUSED_SECONDS and cpu_used < (late + WATCHDOG_INTERVAL) / 2:
+                self._discount_pause(late)
+            elif late > PAUSED_SECONDS:
+                logger.warning("the event loop was held for %.1f s by work on it (every stream waited)", late)
             started = self._forward_started
             if started is not None and now - started > self.step_timeout:
                 logger.error("a forward pass has run for %.3g s (step_timeout %g s): the engine is stalled",

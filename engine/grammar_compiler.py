@@ -43,6 +43,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     @property
+    def has_tokenizer(self) -> bool:
+        return self._ll_tokenizer is not None
+
+    @property
     def ll_tokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:

@@ -10,6 +10,7 @@ at a time either way: the tokenizer is never used from two threads at once.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -61,3 +62,13 @@ def chat_size(messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[st
     if not isinstance(messages, (list, tuple)):
         return 0
     return sum(len(str(m)) for m in messages) + (len(str(template_kwargs)) if template_kwargs else 0)
+
+
+def with_grammar(size: int, compiler: Any, params: Any) -> int:
+    """A request's size with its grammar's (compiler: its GrammarCompiler; params: SamplingParams). The first
+    grammar also builds llguidance's view of the vocabulary (0.4 s for 49k tokens, 3.6 s for Gemma 3's 262k), which
+    must not hold the loop: that request goes to the thread."""
+    structured = getattr(params, "structured_outputs", None)
+    if structured is None:
+        return size
+    return size + len(repr(structured)) if compiler.has_tokenizer else sys.maxsize

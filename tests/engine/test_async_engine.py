@@ -3,6 +3,7 @@ watchdog, slow readers and failures."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import OutputStream
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputs
 
 from tests.support.server_harness import tiny_engine_config
 
@@ -356,6 +358,49 @@ async def test_time_the_process_was_stopped_is_not_a_stalled_step(make_engine) -
             tg.cancel_scope.cancel()
     assert paused[0].wait(5) == 0  # it woke the process
     assert outputs[-1].finish_reason == "length" and async_engine.state is not EngineState.STALLED
+
+
+async def test_a_loop_held_by_work_on_it_is_not_taken_for_a_paused_process(make_engine, caplog) -> None:
+    """The loop held 2.6 s by work on it (it was a first grammar's vocabulary build): the process ran all along, so
+    that time was wrongly taken off every reader's and the running step's clocks as a pause."""
+    engine = make_engine()
+    async_engine = AsyncEngine(lambda: engine, max_pending=8)
+    with caplog.at_level(logging.WARNING, logger="engine.async_engine"), anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(async_engine.run)
+            await anyio.sleep(0.3)
+            end = time.monotonic() + 2.6
+            while time.monotonic() < end:  # work on the loop, using the CPU
+                pass
+            await anyio.sleep(0.5)
+            tg.cancel_scope.cancel()
+    assert "the event loop was held for" in caplog.text and "did not run" not in caplog.text
+
+
+async def test_the_first_grammar_is_prepared_off_the_loop(make_engine, monkeypatch) -> None:
+    """Its build of llguidance's vocabulary (3.6 s for Gemma 3's) held every stream and /health: here made 1 s long."""
+    import llguidance.hf
+
+    real_build = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: (time.sleep(1.0), real_build(*a, **k))[1])
+    engine = make_engine()
+    async_engine = AsyncEngine(lambda: engine, max_pending=8)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json_object=True))
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.01)
+            gaps.append(time.monotonic() - before)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(async_engine.run)
+            tg.start_soon(tick)
+            await async_engine.prepare_prompt("json", "Hello", params)
+            tg.cancel_scope.cancel()
+    assert engine.input_processor.grammar_compiler.has_tokenizer and max(gaps) < 0.5
 
 
 async def test_drain_returns_in_bounded_time_with_a_stuck_forward_pass(make_engine) -> None:

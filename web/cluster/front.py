@@ -33,7 +33,7 @@ from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reser
 from engine.config import SluiceConfig
 from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
-from engine.input_slot import InputSlot, chat_size, prompt_size
+from engine.input_slot import InputSlot, chat_size, prompt_size, with_grammar
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
@@ -138,14 +138,17 @@ class ClusterEngine:
         return self._loaded().max_model_len
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        work = partial(self._ready().process_prompt, request_id, prompt, params)
-        return await self._inputs.run(work, prompt_size(prompt))
+        processor = self._ready()
+        work = partial(processor.process_prompt, request_id, prompt, params)
+        return await self._inputs.run(work, with_grammar(prompt_size(prompt), processor.grammar_compiler, params))
 
     async def prepare_chat(
         self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
     ) -> PreparedRequest:
-        work = partial(self._ready().process_chat, request_id, messages, params, **template_kwargs)
-        return await self._inputs.run(work, chat_size(messages, template_kwargs))
+        processor = self._ready()
+        work = partial(processor.process_chat, request_id, messages, params, **template_kwargs)
+        size = with_grammar(chat_size(messages, template_kwargs), processor.grammar_compiler, params)
+        return await self._inputs.run(work, size)
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         work = partial(self._ready().encode_prompt, text, add_special_tokens=add_special_tokens)

@@ -168,7 +168,10 @@ class EngineReplica:
         """Queue the request; its deltas go out on that front's outputs(). QueueFull when this replica is full."""
         if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
             compiler = self._llm.input_processor.grammar_compiler
-            request = replace(request, matcher=compiler.compile(request.params.structured_outputs))
+            compile_it = partial(compiler.compile, request.params.structured_outputs)
+            # the first also builds llguidance's view of the vocabulary (seconds for a large one): not on the loop
+            matcher = compile_it() if compiler.has_tokenizer else await asyncio.to_thread(compile_it)
+            request = replace(request, matcher=matcher)
         self._fronts.for_submit(front_id).add(self.engine.generate(request))
 
     async def abort(self, front_id: str, request_id: str) -> None:
