@@ -32,6 +32,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import resource
 import signal
 import sys
@@ -290,6 +291,20 @@ def start_logging(config: SluiceConfig) -> None:
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(not_printed_by_its_own_handler)
+    for name in ("sluice.access", "hypercorn.access"):  # `sluice serve`'s and the hypercorn command's
+        logging.getLogger(name).addFilter(control_characters_escaped)
+
+
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def control_characters_escaped(record: logging.LogRecord) -> bool:
+    """The access log writes a request's path as the client sent it, decoded: a %0A in a URL wrote a line of the
+    client's own making, a forged log line (uvicorn's CVE-2020-7694). Control characters are written as \\xNN."""
+    message = record.getMessage()
+    if _CONTROL_CHARACTERS.search(message):
+        record.msg, record.args = _CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", message), None
+    return True
 
 
 def not_printed_by_its_own_handler(record: logging.LogRecord) -> bool:

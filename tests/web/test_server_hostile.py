@@ -5,9 +5,13 @@ the server keeps serving everyone else."""
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +28,7 @@ from web.server import SEND_BUFFER_BYTES, hypercorn_config
 
 from tests.support.lifecycle import LONG, MODEL, SHORT, engine_idle, metric
 from tests.support.server_harness import (
+    REPO,
     ThreadedServer,
     free_port,
     health,
@@ -301,3 +306,25 @@ def test_the_open_files_limit_is_raised_to_what_the_process_may_have() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_path_cannot_write_lines_of_its_own_into_the_access_log(tiny_llama_dir, tmp_path) -> None:
+    """A %0A in a URL reached the log decoded: a forged line, with whatever level and logger it spelled."""
+    port, log = free_port(), tmp_path / "server.log"
+    command = [sys.executable, "-m", "web.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "SLUICE_ACCESS_LOG": "true"})  # fmt: skip
+    try:
+        wait_until(lambda: health(f"http://127.0.0.1:{port}")[0] == 200 or process.poll() is not None, timeout=120)
+        forged = "/v1/models/x%0A2026-01-01%2000:00:00,000%20ERROR%20sluice.server:%20FORGED%0D%00"
+        assert httpx.get(f"http://127.0.0.1:{port}{forged}").status_code == 404
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    lines = log.read_bytes().decode().splitlines()
+    assert not any(line.startswith("2026-01-01") for line in lines) and "\x00" not in log.read_text()
+    assert any("x\\x0a2026-01-01 00:00:00,000 ERROR sluice.server: FORGED\\x0d\\x00" in line for line in lines)
