@@ -91,7 +91,9 @@ class SamplingParams:
                  f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")  # fmt: skip
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
+        # a 64-bit signed integer, as vLLM takes: -1 and 2^64 - 1 were the same seed
+        _require(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63), "seed",
+                 f"seed must be an integer from -2^63 to 2^63 - 1, got {self.seed!r}")  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(_is_number(value) and -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value!r}")

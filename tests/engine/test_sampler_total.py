@@ -56,7 +56,7 @@ sampling_params = st.builds(
     presence_penalty=floats_in(-2.0, 2.0),
     frequency_penalty=floats_in(-2.0, 2.0),
     repetition_penalty=floats_in(0.0, 1e300, exclude_low=True),
-    seed=st.one_of(st.none(), st.integers(-(2**63), 2**64), st.sampled_from([0, -1, 2**200])),
+    seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**63 - 1, -(2**63)])),
     logprobs=st.one_of(st.none(), st.integers(0, MAX_LOGPROBS)),
     logit_bias=st.one_of(
         st.none(),

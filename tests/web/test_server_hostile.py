@@ -147,7 +147,7 @@ def test_a_chat_message_the_server_cannot_take_gets_a_400_naming_its_part(
         {"temperature": 2.0, "top_k": 2**62, "min_p": 1e-320},
         {"repetition_penalty": 1e-45, "temperature": 1.0},  # overflows the penalised logits to inf
         {"repetition_penalty": 1e300, "presence_penalty": 2, "frequency_penalty": -2, "top_p": 1e-30},
-        {"seed": 2**64 - 1, "temperature": 1.5, "top_p": 0.5},
+        {"seed": 2**63 - 1, "temperature": 1.5, "top_p": 0.5},
         {"seed": -(2**63), "logprobs": 20, "temperature": 1.0},
     ],
 )
@@ -156,6 +156,13 @@ def test_extreme_but_legal_sampling_values_always_yield_tokens(http: httpx.Clien
     response = http.post("/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1, -(2**63) - 1, 2**200])
+def test_a_seed_past_64_signed_bits_is_refused(http: httpx.Client, seed: int) -> None:
+    """It was taken modulo 2^64: -1 and 2^64 - 1 gave the same output (vLLM takes a signed 64-bit seed)."""
+    response = http.post("/v1/completions", json={**SHORT, "seed": seed})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "seed", response.text
 
 
 @pytest.mark.parametrize("prompt", ["a" * (3 * MAX_BODY_BYTES), list(range(1_000_000))])
