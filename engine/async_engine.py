@@ -51,6 +51,9 @@ WATCHDOG_INTERVAL = 0.25  # seconds between the watchdog's looks at the step and
 # paused container or VM), and that time is neither a step's nor a reader's. (A loop held by work on it uses the
 # CPU all along: that is said, and not discounted.)
 PAUSED_SECONDS = 2.0
+# How long requests that fit may go past one whose n choices do not yet (n = 64 waited for every running sequence
+# to end, and every request behind it with it); after that the places free up for it and none goes past.
+BYPASS_SECONDS = 5.0
 STOP_MARGIN = 2.0  # seconds a stopping loop may still spend finishing its forward pass before it is abandoned
 
 
@@ -361,9 +364,12 @@ class AsyncEngine:
     def _admit_pending(self, engine: LLMEngine) -> None:
         # Pull only while the scheduler has room, so that max_pending really bounds the waiting requests.
         # A request takes one admission slot, and n of max_num_seqs' places (one per choice) once pulled.
+        now = time.perf_counter()
         for request in [r for r in self._requests.values() if r.state is RequestState.QUEUED]:
             if engine.num_seats + request.num_choices > engine.config.max_num_seqs:
-                break
+                if now - request.arrival_time >= BYPASS_SECONDS:
+                    break  # it has waited long enough: the places now free up for it, and none goes past it
+                continue  # (its n choices wait for n places) the requests behind it that fit go first
             engine.add_prepared(request.prepared)
             request.start()
             self._num_slots_held -= 1

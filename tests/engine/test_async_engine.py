@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -401,6 +402,34 @@ async def test_the_first_grammar_is_prepared_off_the_loop(make_engine, monkeypat
             await async_engine.prepare_prompt("json", "Hello", params)
             tg.cancel_scope.cancel()
     assert engine.input_processor.grammar_compiler.has_tokenizer and max(gaps) < 0.5
+
+
+@pytest.mark.parametrize(("small_after", "order"), [(0.05, ["small", "long", "wide"]), (0.6, ["long", "wide", "small"])])
+async def test_a_request_whose_n_does_not_fit_yet_does_not_hold_up_the_ones_behind_it(
+    make_engine, monkeypatch, small_after: float, order: list[str]
+) -> None:
+    """n = max_num_seqs waits for every running sequence to end; a small request behind it waited with it (21 s
+    behind a long generation). Those that fit go first, for BYPASS_SECONDS (here 0.4 s); then the places free up
+    for it."""
+    monkeypatch.setattr("engine.async_engine.BYPASS_SECONDS", 0.4)
+    engine = make_engine(max_num_seqs=4)
+    slow_steps(engine, 0.01)
+    async with running(engine) as async_engine:
+        finished: list[str] = []
+
+        async def run(request_id: str, **params: Any) -> None:
+            outputs = await collect(async_engine.generate(prepared(engine, request_id, "Hello", **GREEDY, **params)))
+            assert outputs[-1].finish_reason == "length"
+            finished.append(request_id)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(run, "long", max_tokens=150))
+                await anyio.sleep(0.2)
+                tg.start_soon(partial(run, "wide", n=4, max_tokens=1))
+                await anyio.sleep(small_after)
+                tg.start_soon(partial(run, "small", max_tokens=2))
+    assert finished == order
 
 
 async def test_drain_returns_in_bounded_time_with_a_stuck_forward_pass(make_engine) -> None:
