@@ -131,6 +131,17 @@ def wrapped_execute(engine: Any, wrap: Callable[[Callable], Callable]) -> Iterat
         del engine.execute  # back to the class's method
 
 
+@contextmanager
+def reaped(process: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """The process, killed on the way out if a failed check left it running."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def slowed(seconds: float) -> Callable[[Callable], Callable]:
     def wrap(execute: Callable) -> Callable:
         def slow_execute(plan: Any) -> Any:

@@ -33,6 +33,7 @@ from tests.support.server_harness import (
     free_port,
     health,
     llm_engine_loader,
+    reaped,
     slowed,
     stream_request,
     tiny_engine_config,
@@ -322,16 +323,12 @@ def test_a_path_cannot_write_lines_of_its_own_into_the_access_log(tiny_llama_dir
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, "SLUICE_ACCESS_LOG": "true"})  # fmt: skip
-    try:
+    with reaped(process):
         wait_until(lambda: health(f"http://127.0.0.1:{port}")[0] == 200 or process.poll() is not None, timeout=120)
         forged = "/v1/models/x%0A2026-01-01%2000:00:00,000%20ERROR%20sluice.server:%20FORGED%0D%00"
         assert httpx.get(f"http://127.0.0.1:{port}{forged}").status_code == 404
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     lines = log.read_bytes().decode().splitlines()
     assert not any(line.startswith("2026-01-01") for line in lines) and "\x00" not in log.read_text()
     assert any("x\\x0a2026-01-01 00:00:00,000 ERROR sluice.server: FORGED\\x0d\\x00" in line for line in lines)

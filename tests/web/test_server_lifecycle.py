@@ -27,6 +27,7 @@ from tests.support.server_harness import (
     health,
     llm_engine_loader,
     parse_sse,
+    reaped,
     server_subprocess,
     slowed,
     stream_request,
@@ -278,9 +279,9 @@ def test_a_second_signal_while_an_idle_server_exits_does_not_kill_it(tiny_llama_
     defaults) took the second Ctrl-C as a kill: exit -2, once a traceback."""
     port = free_port()
     command = [sys.executable, "-m", "web.cli", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env={**os.environ, "SLUICE_ACCESS_LOG": "false"})  # fmt: skip
-    try:
+    env = {**os.environ, "SLUICE_ACCESS_LOG": "false"}
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    with reaped(process):
         wait_until(lambda: health(f"http://127.0.0.1:{port}")[0] == 200 or process.poll() is not None, timeout=120)
         process.send_signal(signal.SIGINT)
         time.sleep(0.15)
@@ -288,10 +289,6 @@ def test_a_second_signal_while_an_idle_server_exits_does_not_kill_it(tiny_llama_
         assert process.wait(timeout=30) == 0
         log = process.stdout.read().decode()
         assert "SIGINT: draining" in log and "Traceback" not in log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 # The server with every forward pass 50 ms slower, so that streams are still running when the signals come.
@@ -386,16 +383,12 @@ def test_sigterm_while_the_model_loads_exits_zero_without_waiting_for_the_load(t
     port = free_port()
     command = [sys.executable, "-c", ENDLESS_LOAD_SERVER, "--model", str(tiny_llama_dir), "--port", str(port)]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+    with reaped(process):
         wait_until(lambda: health(f"http://127.0.0.1:{port}")[0] == 503 or process.poll() is not None, timeout=60)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         log = process.stdout.read().decode()
         assert "stopped before the model had loaded" in log and "Traceback" not in log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
