@@ -213,7 +213,8 @@ class AsyncEngine:
     ) -> PreparedRequest:
         processor = self._ready_engine().input_processor
         work = partial(processor.process_chat, request_id, messages, params, **template_kwargs)
-        return await self._inputs.run(work, with_grammar(chat_size(messages, template_kwargs), processor.grammar_compiler, params))
+        size = with_grammar(chat_size(messages, template_kwargs), processor.grammar_compiler, params)
+        return await self._inputs.run(work, size)
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text to token ids (what /tokenize does)."""

@@ -63,7 +63,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         return _load(config)
     except _FILE_FAULTS as error:
         detail = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-        raise ValueError(f"the model {config.model or 'default'} cannot be run: {type(error).__name__}: {detail}") from error
+        model = config.model or "default"
+        raise ValueError(f"the model {model} cannot be run: {type(error).__name__}: {detail}") from error
     finally:
         _map_large_allocations(RUN_MMAP_THRESHOLD)
         _give_back_freed_memory()
