@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 # the per-architecture keys that size the model (a count of at most MAX_SIZE: no model has more)
 SIZE_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
              "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
@@ -25,7 +27,8 @@ def check_metadata(name: str, metadata: Mapping[str, Any], tensor_shapes: Mappin
     arch = metadata["general.architecture"]
 
     def refuse(key: str, value: Any, needs: str) -> None:
-        raise ValueError(f"{name}: its metadata gives {key} = {value!r}, where {needs}")
+        shown = f"an array of {len(value):,} values" if isinstance(value, np.ndarray) else repr(value)
+        raise ValueError(f"{name}: its metadata gives {key} = {shown}, where {needs}")
 
     for key in SIZE_KEYS:
         value = metadata.get(f"{arch}.{key}")

@@ -178,7 +178,9 @@ class GGUFCheckpoint:
             self._header_cache = HeaderCache(cache_root, self._file[: self._data_start])
         except (ValueError, OSError, KeyError, OverflowError, struct.error) as exc:  # UnicodeDecodeError: a ValueError
             data = getattr(self, "_file", None)  # unset when the file could not be mapped
-            cut = "buffer" in str(exc) and data is not None and bytes(data[:4]) == b"GGUF"
+            # a length or offset past the buffer (an OverflowError when past what an index can hold)
+            cut = isinstance(exc, OverflowError) or "buffer" in str(exc)
+            cut = cut and data is not None and bytes(data[:4]) == b"GGUF"
             why = ("its header runs past the end of the file: the file is truncated (an interrupted download or copy?) "
                    "or damaged") if cut else exc  # fmt: skip
             raise ValueError(f"cannot read {path} as a GGUF file: {why}") from exc
@@ -283,7 +285,8 @@ class GGUFCheckpoint:
             model = self.metadata.get("tokenizer.ggml.model")
             raise ValueError(f"{self.path.name}: its {model!r} tokenizer needs {missing}, which the file lacks") from None
         except Exception as error:  # the tokenizers library refuses the vocabulary (a bare Exception for bad merges)
-            raise ValueError(f"{self.path.name}: its tokenizer cannot be built: {error}") from error
+            why = " ".join(str(error).split())  # one line: some of the library's messages take several
+            raise ValueError(f"{self.path.name}: its tokenizer cannot be built: {why}") from error
         return backend, {**tokenizer_config, **extra}
 
     def longest_token_chars(self) -> int | None:
