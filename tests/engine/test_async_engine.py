@@ -380,10 +380,10 @@ async def test_a_loop_held_by_work_on_it_is_not_taken_for_a_paused_process(make_
 
 async def test_the_first_grammar_is_prepared_off_the_loop(make_engine, monkeypatch) -> None:
     """Its build of llguidance's vocabulary (3.6 s for Gemma 3's) held every stream and /health: here made 1 s long."""
-    import llguidance.hf
+    from engine import grammar_compiler
 
-    real_build = llguidance.hf.from_tokenizer
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: (time.sleep(1.0), real_build(*a, **k))[1])
+    real_build = grammar_compiler.build_ll_tokenizer
+    monkeypatch.setattr(grammar_compiler, "build_ll_tokenizer", lambda *a: (time.sleep(1.0), real_build(*a))[1])
     engine = make_engine()
     async_engine = AsyncEngine(lambda: engine, max_pending=8)
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(json_object=True))
