@@ -193,6 +193,10 @@ def test_openai_client_streams_and_not_as_one_process(cluster: ClusterServer, mo
     chat_chunks = list(chat)
     assert chat_chunks[0].choices[0].delta.role == "assistant"
     assert chat_chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # a grammar compiles on the replica too (its first, with llguidance's vocabulary, off the replica's loop)
+    choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+    assert choice.choices[0].text in ("yes", "no")
     wait(cluster, lambda: idle(cluster), timeout=10)
 
 
