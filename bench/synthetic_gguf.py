@@ -56,9 +56,12 @@ def write_llama_gguf(
     seed: int = 0,
     with_merges: bool = True,  # False: a file whose tokenizer lacks its merges (a broken conversion)
     rope_factors: np.ndarray | None = None,  # llama.cpp's rope_freqs.weight (Llama 3.1+): one per rotary pair
+    extra_tokens: int = 0,  # added tokens past SmolLM2's 49,152 (a fine-tune's pad token makes a vocabulary odd)
 ) -> Path:
     rng = np.random.default_rng(seed)
     tok = smollm2_tokenizer()
+    tok["tokenizer.ggml.tokens"] = [*tok["tokenizer.ggml.tokens"], *(f"<|extra_{i}|>" for i in range(extra_tokens))]
+    tok["tokenizer.ggml.token_type"] = [*tok["tokenizer.ggml.token_type"], *([4] * extra_tokens)]  # user-defined
     vocab = len(tok["tokenizer.ggml.tokens"])
     head_dim = hidden // num_heads
     writer = GGUFWriter(str(path), "llama")

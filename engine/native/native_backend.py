@@ -259,13 +259,11 @@ def _q8_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q8Packed]:
 
 def _q8_matrix(ops: ModuleType, tensor: StoredTensor, plan: PackPlan) -> Q8Packed:
     try:
-        if tensor.shape[0] % TILE:
-            plan.note(tensor.type_name, "Q8", False)
-            return pack_q8(tensor.to_float())
-        if tensor.type_name in Q8_FROM_BLOCKS:
+        if tensor.type_name in Q8_FROM_BLOCKS and tensor.shape[0] % TILE == 0:
             plan.note(tensor.type_name, "Q8", True)
             return q8_from_blocks(ops, tensor)
         # each chunk's tiles written into the whole outputs as it comes: never all pieces and their join at once
+        # (the last chunk's rows padded to a whole tile: a vocabulary of 32,001 runs on the file's grid too)
         n, k = tensor.shape
         padded = -(-n // TILE) * TILE
         qs, scale = huge_pages.zeros((padded * k,), torch.int8), huge_pages.zeros((padded * k // GROUP,), torch.float16)

@@ -156,6 +156,21 @@ def test_a_llama_3_file_runs_the_rotary_scaling_its_rope_factors_state(tmp_path:
     assert (ours - without).abs().max() > 10 * (ours - expected).abs().max()
 
 
+def test_a_vocabulary_that_is_not_a_whole_number_of_tiles_runs_on_the_files_grid(tmp_path: Path, caplog) -> None:
+    """49,153 tokens (a fine-tune's added pad token): the Q8_0 embedding and head were re-quantised onto Q8."""
+    path = write_llama_gguf(tmp_path / "odd.gguf", {"layers": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"},
+                            num_layers=1, extra_tokens=1)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        llm = LLM(str(path), block_size=4, num_kv_blocks=64, precision="exact")
+    assert llm.engine.runner.backend.name == "native" and "re-quantised" not in caplog.text
+    reference = LLM(str(path), dtype="float32", quantize="none", block_size=4, num_kv_blocks=64)
+    ids = [5, 17, 300, 49152, 42]  # the added token among them
+    with torch.inference_mode():
+        ours, expected = full_logits(llm, ids), full_logits(reference, ids)
+    assert ours.shape[-1] == expected.shape[-1] == 49153
+    assert (ours - expected).abs().max() < 2e-2 * expected.abs().max()
+
+
 def test_the_config_comes_from_the_metadata(mixed_gguf: Path) -> None:
     checkpoint = open_checkpoint(str(mixed_gguf))
     cfg = checkpoint.hf_config
