@@ -25,7 +25,8 @@ def fork_point(num_prompt_tokens: int, block_size: int) -> int:
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of a request samples with seed + i, so that a seeded request is reproducible choice by choice."""
+    """Choice i of a request samples with seed + i, so that a seeded request is reproducible choice by choice
+    (wrapped within the 64 signed bits a seed takes: 2^63 - 1 and n = 2 failed the check inside the engine loop)."""
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)

@@ -159,6 +159,17 @@ def test_extreme_but_legal_sampling_values_always_yield_tokens(http: httpx.Clien
     assert response.json()["usage"]["completion_tokens"] == 8
 
 
+def test_the_largest_seed_with_n_choices_is_served(http: httpx.Client) -> None:
+    """Choice i samples with seed + i: past 2^63 - 1 that failed the seed's check inside the engine loop, and the
+    server shut down for everyone."""
+    body = {**SHORT, "prompt": "Hello world", "max_tokens": 4, "temperature": 1.0, "seed": 2**63 - 1}
+    response = http.post("/v1/completions", json={**body, "n": 2})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 2 and choices[0]["text"] == http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert http.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("seed", [2**63, 2**64 - 1, -(2**63) - 1, 2**200])
 def test_a_seed_past_64_signed_bits_is_refused(http: httpx.Client, seed: int) -> None:
     """It was taken modulo 2^64: -1 and 2^64 - 1 gave the same output (vLLM takes a signed 64-bit seed)."""
