@@ -17,6 +17,9 @@ SIZE_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_
              "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
              "attention.sliding_window", "vocab_size")  # fmt: skip
 MAX_SIZE = 1 << 31
+# A numeric metadata array longer than this is no model's (a vocabulary's token types: 262,144 for Gemma 3):
+# transformers' tokenizer conversion reads every array into a Python list (a 200M-value array took 3.9 GB)
+MAX_ARRAY_VALUES = 1 << 22
 POSITIVE_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "padding_token_id", "unknown_token_id")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -30,6 +33,9 @@ def check_metadata(name: str, metadata: Mapping[str, Any], tensor_shapes: Mappin
         shown = f"an array of {len(value):,} values" if isinstance(value, np.ndarray) else repr(value)
         raise ValueError(f"{name}: its metadata gives {key} = {shown}, where {needs}")
 
+    for key, value in metadata.items():
+        if isinstance(value, np.ndarray) and len(value) > MAX_ARRAY_VALUES:
+            refuse(key, value, f"no model's metadata needs more than {MAX_ARRAY_VALUES:,} (a damaged file?)")
     for key in SIZE_KEYS:
         value = metadata.get(f"{arch}.{key}")
         if value is not None and (type(value) is not int or not 0 < value <= MAX_SIZE):

@@ -209,7 +209,10 @@ def complete_config(model_type: str, values: Mapping[str, Any]) -> Any:
 
     full = {**DEFAULTS[model_type], **values}
     DERIVED[model_type](full)
-    config = PreTrainedConfig(**full)
+    try:
+        config = PreTrainedConfig(**full)
+    except Exception as error:  # its validators (huggingface_hub's strict dataclass): the cause says what is wrong
+        raise ValueError(f"its {model_type} config is refused: {error.__cause__ or error}") from error
     for key, value in full.items():  # the few the base class keeps elsewhere or not at all
         if getattr(config, key, None) != value:
             setattr(config, key, value)

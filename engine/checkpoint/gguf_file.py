@@ -251,9 +251,16 @@ class GGUFCheckpoint:
     def hf_config(self) -> Any:
         from engine.checkpoint.gguf_config import config_from_metadata
 
-        config = config_from_metadata(self.metadata, self.tensors)
+        try:
+            config = config_from_metadata(self.metadata, self.tensors)
+        except ValueError as error:
+            raise ValueError(f"{self.path.name}: {error}") from error
         if self._rope_factors is not None:
-            config.rope_freq_factors = [float(f) for f in self._rope_factors.to_float().reshape(-1)]
+            factors = [float(f) for f in self._rope_factors.to_float().reshape(-1)]
+            if not all(math.isfinite(f) and f > 0 for f in factors):
+                raise ValueError(f"{self.path.name}: its {ROPE_FACTORS} holds {min(factors)}, where a rotary frequency "
+                                 "factor is a finite number above 0")  # fmt: skip
+            config.rope_freq_factors = factors
         return config
 
     def tokenizer(self) -> Any:

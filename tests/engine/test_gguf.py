@@ -141,6 +141,9 @@ def test_a_llama_3_file_runs_the_rotary_scaling_its_rope_factors_state(tmp_path:
     scaled = write_llama_gguf(tmp_path / "llama3.gguf", types, num_layers=1, rope_factors=factors)
     plain = write_llama_gguf(tmp_path / "plain.gguf", types, num_layers=1)
     cfg = open_checkpoint(str(scaled)).hf_config
+    broken = write_llama_gguf(tmp_path / "zero.gguf", types, num_layers=1, rope_factors=np.where(factors > 4, 0, factors))
+    with pytest.raises(ValueError, match=r"zero.gguf: its rope_freqs.weight holds 0.0, where a rotary frequency factor"):
+        open_checkpoint(str(broken)).hf_config
     llama3 = SimpleNamespace(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **scaling})
     torch.testing.assert_close(rope_inv_freq(cfg, 64)[0], rope_inv_freq(llama3, 64)[0], rtol=1e-6, atol=0)
     ids = list(range(100, 400))  # far enough for the low frequencies' angles to differ

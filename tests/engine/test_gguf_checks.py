@@ -67,6 +67,7 @@ U32, F32, STR = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRIN
         ({"llama.rope.freq_base": (-1.0, F32)}, r"rope.freq_base = -1.0, where it is a finite number above 0"),
         ({"tokenizer.ggml.eos_token_id": (2**32 - 1, U32)}, r"eos_token_id = 4294967295, where a token id lies in"),
         ({"general.alignment": (0, U32)}, r"general.alignment is 0, where GGUF needs a power of two"),
+        ({"llama.rope.dimension_count": (63, U32)}, r"bad.gguf: its llama config is refused: RoPE requires an even"),
     ],
 )
 def test_metadata_no_model_can_mean_is_refused_naming_the_key(small_gguf: Path, tmp_path: Path, fields, message) -> None:
@@ -93,9 +94,15 @@ def test_a_size_that_is_not_an_integer_is_refused() -> None:
             check_metadata("m.gguf", {"general.architecture": "llama", "llama.attention.head_count": value}, {})
 
 
-def test_a_numeric_metadata_array_is_a_view_of_the_file(small_gguf: Path, tmp_path: Path) -> None:
-    """It was a Python list: 26 times its bytes in memory (a 200 MB array took 5.4 GB)."""
+def test_a_numeric_metadata_array_is_a_view_of_the_file_and_a_huge_one_is_refused(
+    small_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was a Python list: 26 times its bytes in memory (a 200 MB array took 5.4 GB); transformers' tokenizer
+    conversion still reads every array into a list, so an array no model needs is refused."""
     values = np.arange(1 << 16, dtype=np.uint8)
     path = rewritten(small_gguf, tmp_path / "array.gguf", {"general.extra": (values.tolist(), GGUFValueType.ARRAY)})
     read = open_checkpoint(str(path)).metadata["general.extra"]
     assert isinstance(read, np.ndarray) and not read.flags.owndata and np.array_equal(read, values)
+    monkeypatch.setattr("engine.checkpoint.gguf_checks.MAX_ARRAY_VALUES", 60_000)  # past the token types
+    with pytest.raises(ValueError, match=r"general.extra = an array of 65,536 values, where no model's metadata"):
+        open_checkpoint(str(path))
