@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from engine.batch import SampledToken
 from engine.outputs import ChoiceOutput, FinishReason, RequestOutput
 from engine.request import Request
@@ -161,7 +163,9 @@ class ChatResponses(_Responses):
 
     @staticmethod
     def _finish_reason(finish_reason: FinishReason | None, parser: ToolCallParser | None) -> FinishReason | None:
-        has_calls = parser is not None and bool(parser.calls)
+        """"tool_calls" for an output that ended after whole calls; a call a stop string cut in its arguments keeps
+        "stop", as one max_tokens cut keeps "length" (a client would run a call whose arguments are not JSON)."""
+        has_calls = parser is not None and bool(parser.calls) and all(_is_json(c.arguments) for c in parser.calls)
         return FinishReason.TOOL_CALLS if has_calls and finish_reason is FinishReason.STOP else finish_reason
 
     def full_response(self, results: list[ChoiceOutput]) -> dict:
@@ -184,6 +188,14 @@ class ChatResponses(_Responses):
         finish_reason = self._finish_reason(result.finish_reason, parser)
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": result.stop_reason}  # fmt: skip
+
+
+def _is_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _event_deltas(events: list[ParserEvent]) -> list[dict[str, Any]]:

@@ -96,6 +96,17 @@ def test_constrained_calls_stream_as_they_are_returned_whole(client: openai.Open
         assert stream.get_final_completion().choices[0].message.content is None
 
 
+def test_a_call_a_stop_string_cuts_in_its_arguments_finishes_stop_not_tool_calls(client: openai.OpenAI) -> None:
+    """finish_reason "tool_calls" told the client to run a call whose arguments were not JSON."""
+    body = dict(messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                parallel_tool_calls=False, max_tokens=200, temperature=0, stop=["hour"])  # fmt: skip
+    choice = client.chat.completions.create(model=MODEL, **body).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls, choice
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice.message.tool_calls[0].function.arguments)
+    assert streamed_calls(client, **body)[2] == "stop"
+
+
 def test_the_template_renders_tools_and_the_call_history(server: ThreadedServer) -> None:
     history = [
         *MESSAGES,
