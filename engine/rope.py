@@ -1,7 +1,6 @@
 """Where a query looks, from a Hugging Face config: rotary position tables (default, linear, llama3 and yarn
 kinds, per layer type where the config gives each its own, divided by a GGUF's per-pair frequency factors where it
-has them) and sliding windows; shared by the eager layers and
-the native step."""
+has them) and sliding windows; shared by the eager layers and the native step."""
 
 from __future__ import annotations
 
