@@ -100,23 +100,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "eos_token_id": 1,
         "bos_token_id": 2,
     },
-    "gpt2": {
-        "vocab_size": 50257,
-        "n_positions": 1024,
-        "n_embd": 768,
-        "n_layer": 12,
-        "n_head": 12,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
-        "pad_token_id": None,
-    },
 }
 
 
@@ -166,7 +149,6 @@ DERIVED: dict[str, Callable[[dict[str, Any]], None]] = {
     "qwen2": _qwen,
     "qwen3": _qwen,
     "gemma3_text": _gemma3,
-    "gpt2": lambda v: None,
 }
 
 

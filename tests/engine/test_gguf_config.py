@@ -20,15 +20,14 @@ from engine.models.packaged import gemma3_270m_gguf
 UNREAD = {
     "transformers_version", "_name_or_path", "id2label", "label2id", "initializer_range", "output_hidden_states",
     "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "problem_type",
-    "architectures", "dtype", "use_cache", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type",
-    "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "add_cross_attention",
+    "architectures", "dtype", "use_cache",
 }  # fmt: skip
 # a value for each key of transformers' GGUF table, unlike every class default
 STATED = {
     "context_length": 4096, "block_count": 7, "feed_forward_length": 96, "embedding_length": 64,
     "rope.dimension_count": 32, "rope.freq_base": 500000.0, "attention.head_count": 4, "attention.head_count_kv": 2,
     "attention.layer_norm_rms_epsilon": 1e-5, "attention.key_length": 32, "attention.sliding_window": 256,
-    "attention.layer_norm_epsilon": 1e-5, "vocab_size": 300,
+    "vocab_size": 300,
 }  # fmt: skip
 
 
@@ -51,7 +50,7 @@ def _metadata(arch: str, left_out: str | None) -> dict[str, Any]:
     return metadata
 
 
-ARCHES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"]
+ARCHES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]  # (a GPT-2 GGUF is refused by gguf_names)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
