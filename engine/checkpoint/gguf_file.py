@@ -71,10 +71,22 @@ _VALUE_FORMATS = {0: "B", 1: "b", 7: "?", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f"
 
 
 class StringArray(int):
-    """A metadata array of strings (a vocabulary, a merge table) as its length (the tokenizer's conversion reads the
-    strings themselves), and the byte length of its longest string."""
+    """A metadata array of strings (a vocabulary, a merge table) as its length, the byte length of its longest
+    string, and where its entries lie in the header (only the tokenizer's conversion reads the strings)."""
 
     longest: int
+    start: int  # the first entry's length field
+    end: int  # past the last entry
+
+    def strings(self, blob: np.ndarray) -> list[str]:
+        """The strings, read from the header blob the array was found in (UnicodeDecodeError if one is not UTF-8)."""
+        data, length_at, pos = bytes(blob[self.start : self.end]), struct.Struct("<Q").unpack_from, 0
+        values = []
+        for _ in range(self):
+            (length,) = length_at(data, pos)
+            values.append(data[pos + 8 : pos + 8 + length].decode("utf-8"))
+            pos += 8 + length
+        return values
 
 
 def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
@@ -95,12 +107,16 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int) -> tuple[Any, int]:
         if element_type != 8:
             raise ValueError(f"a metadata array of type {element_type}")
         strings, longest, length_at = StringArray(count), 0, struct.Struct("<Q").unpack_from
+        strings.start = pos
         for _ in range(count):
             (length,) = length_at(blob, pos)
             pos += 8 + length
             if length > longest:
                 longest = length
-        strings.longest = longest
+        if pos > len(blob):
+            raise struct.error(f"an array of {count:,} strings at byte {strings.start:,} runs past the end of the "
+                               "buffer")
+        strings.longest, strings.end = longest, pos
         return strings, pos
     raise ValueError(f"unknown GGUF metadata value type {value_type}")
 
@@ -276,25 +292,9 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path.name}: its 'gpt2' tokenizer needs tokenizer.ggml.merges, which the file lacks")
 
     def _converted_tokenizer(self) -> tuple[Any, dict[str, Any]]:
-        """transformers' GGUF tokenizer conversion, called directly: AutoTokenizer's GGUF path would also rebuild
-        the config through gguf's GGUFReader, which walks every vocabulary string in Python (tens of seconds)."""
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+        from engine.checkpoint.gguf_tokenizer import converted_tokenizer
 
-        try:
-            architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
-            backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        except KeyError as error:  # the conversion indexes the metadata fields its tokenizer model needs
-            fields = {name: f"tokenizer.{key}" for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()}
-            missing = fields.get(error.args[0] if error.args else None)
-            if missing is None:
-                raise
-            model = self.metadata.get("tokenizer.ggml.model")
-            raise ValueError(f"{self.path.name}: its {model!r} tokenizer needs {missing}, which the file lacks") from None
-        except Exception as error:  # the tokenizers library refuses the vocabulary (a bare Exception for bad merges)
-            why = " ".join(str(error).split())  # one line: some of the library's messages take several
-            raise ValueError(f"{self.path.name}: its tokenizer cannot be built: {why}") from error
-        return backend, {**tokenizer_config, **extra}
+        return converted_tokenizer(self.path, self.metadata, self._file[: self._data_start])
 
     def longest_token_chars(self) -> int | None:
         """At least the characters of the vocabulary's longest string (transformers' conversion keeps the file's

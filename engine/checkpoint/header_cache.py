@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "2"  # of an entry's files
 MAX_ENTRIES = 16
-_SOURCES = ("gguf_file.py", "header_cache.py")  # the conversion's rules
+_SOURCES = ("gguf_file.py", "gguf_tokenizer.py", "header_cache.py")  # the conversion's rules
 TOKENIZER_FILE = "tokenizer.json"  # written last: an entry with it is whole
 TOKENIZER_KWARGS = "kwargs.json"
 
