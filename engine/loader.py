@@ -73,8 +73,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def _load(config: EngineConfig) -> LoadedModel:
     checkpoint = open_checkpoint(config.model, config.cache_path)
     ops = _native_ops(config)
-    # The weights pack on every core while this thread builds the config: imports of transformers under the GIL
-    # (0.5 s; 1.8 s where header_cache has no entry yet); the packers run outside it (0.3-1 s on a 1B model).
+    # The weights pack on every core, outside the GIL (0.3-1 s of a 1B model), while this thread builds the config
+    # and the tokenizer under it (0.1 s; 0.5 s where header_cache has no entry yet, 3 s of a 262k vocabulary).
     num_threads = config.num_threads if config.num_threads > 0 else torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -87,6 +87,7 @@ def _load(config: EngineConfig) -> LoadedModel:
             if _is_llama_family(checkpoint):
                 check_shapes(hf_config, checkpoint.tensors)
             max_pos = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions"))
+            tokenizer = checkpoint.tokenizer()
             backend = _native_backend(checkpoint, config, min(max_pos, config.max_model_len), ops, packing)
             del packing  # an unused result goes with it
     finally:
@@ -96,13 +97,8 @@ def _load(config: EngineConfig) -> LoadedModel:
         from engine.models.eager_build import build_eager
 
         backend = build_eager(checkpoint, config, dtype)
-    # its first pages fault in while the tokenizer is built (Python under the GIL: ~0.4 s for a 128k vocabulary)
     kv_pool = KVPool.allocate(backend, config.num_kv_blocks, config.block_size, dtype)
-    # The warm-up's steps run outside the GIL and the tokenizer's build inside it: side by side they overlap.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-warm") as pool:
-        warming = pool.submit(warm_up, backend, kv_pool, config.block_size, min(max_pos, config.max_model_len))
-        tokenizer = checkpoint.tokenizer()
-        warming.result()
+    warm_up(backend, kv_pool, config.block_size, min(max_pos, config.max_model_len))
     fmt = chat_format(getattr(hf_config, "model_type", ""))
     if not tokenizer.chat_template and fmt is not None:
         log.info("the model carries no chat template: using %s's own", hf_config.model_type)
