@@ -170,6 +170,9 @@ def read_header(blob: np.ndarray) -> tuple[dict[str, Any], list[TensorInfo], int
             block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         except ValueError:
             raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, which the gguf package does not know") from None
+        if dims and dims[0] % block:  # a row is whole blocks: else its bytes are no whole number of them
+            raise ValueError(f"tensor {name!r} has rows of {dims[0]:,} values in {_type_name(ggml_type)}, which "
+                             f"stores whole blocks of {block}")  # fmt: skip
         table.append(TensorInfo(name, tuple(reversed(dims)), ggml_type, offset, elements // block * block_bytes))
     alignment = metadata.get("general.alignment", 32)
     if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):

@@ -4,6 +4,7 @@ and writes nonsense. A large numeric metadata array costs no memory."""
 
 from __future__ import annotations
 
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -105,4 +106,16 @@ def test_a_numeric_metadata_array_is_a_view_of_the_file_and_a_huge_one_is_refuse
     assert isinstance(read, np.ndarray) and not read.flags.owndata and np.array_equal(read, values)
     monkeypatch.setattr("engine.checkpoint.gguf_checks.MAX_ARRAY_VALUES", 60_000)  # past the token types
     with pytest.raises(ValueError, match=r"general.extra = an array of 65,536 values, where no model's metadata"):
+        open_checkpoint(str(path))
+
+
+def test_a_quantised_row_that_is_not_whole_blocks_is_named(small_gguf: Path, tmp_path: Path) -> None:
+    """A header can say any width; a row of a block type is whole blocks (it was "cannot reshape array")."""
+    data = bytearray(small_gguf.read_bytes())
+    at = data.index(b"blk.0.ffn_up.weight") + len(b"blk.0.ffn_up.weight")
+    assert struct.unpack_from("<IQ", data, at) == (2, 64)  # Q8_0: rows of 64 values, two blocks of 32
+    struct.pack_into("<Q", data, at + 4, 48)
+    (path := tmp_path / "width.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has rows of 48 values in Q8_0, which stores "
+                                         r"whole blocks of 32"):  # fmt: skip
         open_checkpoint(str(path))
