@@ -1,4 +1,4 @@
-"""What a GGUF's metadata must hold before anything is built from it: sizes that are positive integers, as many
+"""What a GGUF's metadata must hold before anything is built from it: the sizes llama.cpp needs, positive integers, as many
 layers as its tensors hold, heads that divide, finite positive norm epsilons and rotary bases, token ids inside
 the vocabulary. A file that breaks one (damaged, or written by hand) is refused naming the key, instead of being met
 as a load that never ends (2^32 layers), a ZeroDivisionError, or a model that loads and writes nonsense."""
@@ -17,12 +17,22 @@ SIZE_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_
              "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
              "attention.sliding_window", "vocab_size")  # fmt: skip
 MAX_SIZE = 1 << 31
+# what llama.cpp refuses a file without too: a default of the config class (4096 wide, 32 layers) would be met as a
+# shape mismatch naming a tensor, not the missing key
+REQUIRED_SIZE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 # A numeric metadata array longer than this is no model's (a vocabulary's token types: 262,144 for Gemma 3):
 # transformers' tokenizer conversion reads every array into a Python list (a 200M-value array took 3.9 GB)
 MAX_ARRAY_VALUES = 1 << 22
 POSITIVE_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "padding_token_id", "unknown_token_id")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_required(name: str, metadata: Mapping[str, Any]) -> None:
+    arch = metadata["general.architecture"]
+    for key in REQUIRED_SIZE_KEYS:
+        if f"{arch}.{key}" not in metadata:
+            raise ValueError(f"{name}: its metadata lacks {arch}.{key}, which sizes the model")
 
 
 def check_metadata(name: str, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.checkpoint.gguf_checks import check_metadata
+from engine.checkpoint.gguf_checks import check_metadata, check_required
 from engine.checkpoint.gguf_names import ROPE_FACTORS, ArchTensors, arch_tensors
 from engine.checkpoint.header_cache import HeaderCache
 from engine.checkpoint.stored_tensor import StoredTensor, permuted_rows
@@ -227,6 +227,7 @@ class GGUFCheckpoint:
             raise ValueError(
                 f"{path.name}: tensors Sluice does not know for architecture {self.architecture!r}: {unknown[:5]}"
             )
+        check_required(path.name, self.metadata)
         check_metadata(path.name, self.metadata, {name: t.shape for name, t in self.tensors.items()})
         if self.arch.permuted_qk:
             try:

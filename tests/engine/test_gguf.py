@@ -211,9 +211,11 @@ def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_
                                  num_layers=1, with_merges=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"needs tokenizer.ggml.merges, which the file lacks"):
         load_model(EngineConfig(model=str(no_merges)))  # said before its weights are packed
-    no_tokenizer = one_tensor_gguf(tmp_path / "no-tokenizer.gguf", "llama", {"llama.attention.head_count": 4})
+    no_tokenizer = open_checkpoint(str(write_llama_gguf(tmp_path / "no-tokenizer.gguf", {"layers": "Q8_0"}, hidden=64,
+                                                        intermediate=128, num_layers=1)))  # fmt: skip
+    del no_tokenizer.metadata["tokenizer.ggml.model"]  # what a file without one reads as
     with pytest.raises(ValueError, match="no-tokenizer.gguf holds no tokenizer"):
-        open_checkpoint(str(no_tokenizer)).check_tokenizer()
+        no_tokenizer.check_tokenizer()
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     with pytest.raises(ValueError, match="cannot assemble Gemma 3 270M in the cache_dir"):
@@ -279,8 +281,12 @@ def test_a_damaged_header_is_named_where_it_is_damaged(mixed_gguf: Path, tmp_pat
 
 
 def test_a_gguf_lacking_metadata_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="its metadata lacks llama.attention.head_count"):
+    """As llama.cpp does: a class default (32 layers of 4096) would be met as some tensor's wrong shape."""
+    with pytest.raises(ValueError, match="bare.gguf: its metadata lacks llama.block_count, which sizes the model"):
         open_checkpoint(str(one_tensor_gguf(tmp_path / "bare.gguf", "llama")))
+    sizes = {"llama.block_count": 1, "llama.embedding_length": 32, "llama.feed_forward_length": 64}
+    with pytest.raises(ValueError, match="its metadata lacks llama.attention.head_count"):
+        open_checkpoint(str(one_tensor_gguf(tmp_path / "no-heads.gguf", "llama", sizes)))
 
 
 def test_a_split_gguf_is_named_and_a_gguf_by_any_name_opens(tmp_path: Path) -> None:
