@@ -47,6 +47,7 @@ from anyio.abc import TaskGroup
 from engine.async_engine import AsyncEngine, EngineState
 from engine.errors import load_refusals
 from engine.config import SluiceConfig, load_config
+from web.connection_limits import limit_bound_sockets
 from web.loop_reports import drop_cancelled_connection_reports
 from web.memory import limit_arenas, trim_while_idle
 
@@ -275,6 +276,7 @@ def create_asgi_app(config_path: str | None = None) -> SluiceASGI:
     environment variables."""
     config = configured(partial(load_config, config_path))
     start_logging(config)
+    limit_bound_sockets(config.server)  # Hypercorn has bound (not yet listened on) its sockets: what sluice serve sets
     return build_host(config)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import ipaddress
-import socket
 import sys
 from functools import partial
 from typing import Any
@@ -24,22 +23,8 @@ from web.asgi import SluiceASGI, build_engine, build_host, configured, exit_code
 
 __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "serve_host"]
 from web.config_flags import add_config_flags, config_from_args
+from web.connection_limits import SEND_BUFFER_BYTES, limit_connections
 from web.start_signals import signals_ignored_while_exiting, signals_stop_the_start
-
-
-# SO_SNDBUF of the listening socket, which the connections it accepts inherit (Linux doubles it): what the server's
-# kernel queues for a client that stopped reading, before the writes wait and client_read_timeout counts (left to
-# autotuning, up to tcp_wmem's 4 MB a connection). The client's kernel may still take megabytes of its own first.
-SEND_BUFFER_BYTES = 128 * 1024
-
-
-def unacknowledged_ms(server: ServerConfig) -> int:
-    """TCP_USER_TIMEOUT of the listening socket, which the connections it accepts inherit: the kernel drops a
-    connection whose sent bytes go unacknowledged, or wait on a zero window, this long. A client that stopped
-    reading has its request aborted after client_read_timeout; its connection cannot close while the output
-    queued for it waits (Hypercorn waits for it to be written), so without this it stayed open, with its file and
-    its queued bytes, for as long as the client kept it. A client that vanished without a word goes as soon."""
-    return min(round(server.client_read_timeout * 1000), 2**31 - 1)
 
 
 def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_BYTES) -> HypercornConfig:
@@ -55,9 +40,7 @@ def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_
     def sockets_with_bounded_send_buffers() -> Any:
         sockets = create_sockets()
         for sock in [*sockets.insecure_sockets, *sockets.secure_sockets]:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
-            if server.client_read_timeout > 0:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, unacknowledged_ms(server))
+            limit_connections(sock, server, send_buffer_bytes)
         return sockets
 
     config.create_sockets = sockets_with_bounded_send_buffers  # type: ignore[method-assign]

@@ -23,7 +23,8 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ServerConfig
 from web.app import create_app
-from web.server import SEND_BUFFER_BYTES, hypercorn_config, serve
+from web.connection_limits import SEND_BUFFER_BYTES
+from web.server import hypercorn_config, serve
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,8 @@ import pytest
 
 from engine.config import ServerConfig
 from web.asgi import raise_open_files_limit
-from web.server import SEND_BUFFER_BYTES, hypercorn_config
+from web.connection_limits import SEND_BUFFER_BYTES
+from web.server import hypercorn_config
 
 from tests.support.lifecycle import LONG, MODEL, SHORT, engine_idle, metric
 from tests.support.server_harness import (
@@ -315,6 +316,31 @@ def test_accepted_connections_get_a_bounded_send_buffer_and_a_bounded_wait_for_a
     with listener:
         assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * SEND_BUFFER_BYTES  # Linux doubles it
         assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 2500
+
+
+BOUND_SOCKETS = """
+import socket
+from engine.config import ServerConfig
+from web.connection_limits import limit_bound_sockets
+bound = socket.socket()
+bound.bind(("127.0.0.1", 0))  # as Hypercorn's sockets are when it loads the app: bound, not yet listening
+listener = socket.create_server(("127.0.0.1", 0))
+client = socket.create_connection(listener.getsockname()); served, _ = listener.accept()
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("127.0.0.1", 0))
+found = limit_bound_sockets(ServerConfig(client_read_timeout=2.5))
+def limits(sock):
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+assert sorted(found) == sorted(f"127.0.0.1:{s.getsockname()[1]}" for s in (bound, listener)), found
+assert [limits(s) for s in (bound, listener, client, served)] == [2500, 2500, 0, 0]
+print("ok")
+"""
+
+
+def test_the_app_limits_the_sockets_the_hypercorn_command_bound_and_no_connection() -> None:
+    """Under the hypercorn command Hypercorn binds before it loads the app: create_asgi_app sets on its sockets
+    what sluice serve sets on its own (in a process of its own: it would set them on this one's servers too)."""
+    out = subprocess.run([sys.executable, "-c", BOUND_SOCKETS], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_the_open_files_limit_is_raised_to_what_the_process_may_have() -> None:

@@ -431,6 +431,9 @@ def test_the_hypercorn_command_serves_and_stops_cleanly(tiny_llama_dir, tmp_path
         lines = log.read_text().splitlines()
         assert sum("Running on" in line for line in lines) == 1, lines[:5]  # hypercorn's line, once
         assert any("sluice.server: engine ready" in line for line in lines)  # ours, through the root's handler
+        # what sluice serve sets on its binds, set by the app on Hypercorn's (client_read_timeout's default 30 s)
+        limits = f"connections accepted on 127.0.0.1:{port}: send buffer 128 KiB, unacknowledged for at most 30 s"
+        assert sum(limits in line for line in lines) == 1, lines[:5]
     finally:
         if process.poll() is None:
             process.kill()
