@@ -74,7 +74,7 @@ def _load(config: EngineConfig) -> LoadedModel:
     checkpoint = open_checkpoint(config.model, config.cache_path)
     ops = _native_ops(config)
     # The weights pack on every core, outside the GIL (0.3-1 s of a 1B model), while this thread builds the config
-    # and the tokenizer under it (0.1 s; 0.5 s where header_cache has no entry yet, 3 s of a 262k vocabulary).
+    # and the tokenizer under it (0.1 s; 0.5 s where header_cache has no entry yet, 4 s of a 262k vocabulary).
     num_threads = config.num_threads if config.num_threads > 0 else torch.get_num_threads()
     torch.set_num_threads(1)
     try:
