@@ -292,6 +292,9 @@ class GGUFCheckpoint:
         if model is None or "tokenizer.ggml.tokens" not in self.metadata:
             raise ValueError(f"{self.path.name} holds no tokenizer (its metadata has no tokenizer.ggml.model and "
                              "tokens): Sluice takes a GGUF's tokenizer from the file")  # fmt: skip
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if key in self.metadata and not isinstance(self.metadata[key], StringArray):
+                raise ValueError(f"{self.path.name}: its {key} is not an array of strings")
         if model == "gpt2" and "tokenizer.ggml.merges" not in self.metadata:  # BPE: transformers would ask for scores
             raise ValueError(f"{self.path.name}: its 'gpt2' tokenizer needs tokenizer.ggml.merges, which the file lacks")
 

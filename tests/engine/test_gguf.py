@@ -216,6 +216,10 @@ def test_a_tokenizer_lacking_metadata_and_a_cache_it_cannot_write_are_named(tmp_
     del no_tokenizer.metadata["tokenizer.ggml.model"]  # what a file without one reads as
     with pytest.raises(ValueError, match="no-tokenizer.gguf holds no tokenizer"):
         no_tokenizer.check_tokenizer()
+    no_tokenizer.metadata["tokenizer.ggml.model"] = "gpt2"
+    no_tokenizer.metadata["tokenizer.ggml.merges"] = np.arange(3, dtype=np.int32)  # numbers, where strings belong
+    with pytest.raises(ValueError, match="no-tokenizer.gguf: its tokenizer.ggml.merges is not an array of strings"):
+        no_tokenizer.check_tokenizer()
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     with pytest.raises(ValueError, match="cannot assemble Gemma 3 270M in the cache_dir"):
