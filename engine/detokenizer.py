@@ -48,6 +48,11 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._tokenizer, token_id)
         if piece is None:
             self._pending.append(token_id)
+            if self._stop and can_stop:  # the stream also holds a literal U+FFFD, which may complete a stop string
+                text = self._held + self._unfinished_text(is_cut=True)  # final: no token changes text before it
+                if self._find_stop(text) is not None:
+                    self._pending.clear()
+                    return self._emit(text, can_stop)
             return "", None
         self._pending.clear()
         return self._emit(self._held + piece, can_stop)
@@ -70,18 +75,17 @@ class IncrementalDetokenizer:
         # prompt ended inside a character they never finished: their first bytes then show as U+FFFD.
         if not self._pending:
             return ""
-        data = self._pending_bytes()
-        if data is None:  # a piece that does not spell its bytes: the tokenizer's own text of them, whole
-            return self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
-        # One U+FFFD per run of bytes that makes no character (as a byte-level decode shows them); a decoder not told
-        # the input is final keeps back the start of a last character: the one max_tokens cut.
-        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=not is_cut)
-
-    def _pending_bytes(self) -> bytes | None:
         skip = self._skip_special_tokens
         kept = [t for t in self._pending if not (skip and self._tokenizer.decode([t], skip_special_tokens=True) == "")]
-        pieces = _pieces_bytes(self._tokenizer, kept)
-        return None if pieces is None else b"".join(pieces)
+        pieces = _pieces_bytes(self._tokenizer, kept, whole=False)
+        # Tokens up to the last whose piece does not spell its bytes (a literal U+FFFD, a word) in the tokenizer's
+        # own text of them; the bytes after it with one U+FFFD per run that makes no character (as a byte-level
+        # decode shows them), by a decoder that, not told the input is final, keeps back the start of a last
+        # character: the one max_tokens cut.
+        split = max((i + 1 for i, piece in enumerate(pieces) if piece is None), default=0)
+        head = self._tokenizer.decode(kept[:split], skip_special_tokens=skip) if split else ""
+        data = b"".join(piece for piece in pieces[split:] if piece is not None)
+        return head + codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=not is_cut)
 
     def _emit(self, text: str, can_stop: bool) -> tuple[str, str | None]:
         if not self._stop or not can_stop:
@@ -148,10 +152,11 @@ def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_speci
     return stream
 
 
-def _pieces_bytes(tokenizer: Tokenizer, token_ids: list[int]) -> list[bytes] | None:
+def _pieces_bytes(tokenizer: Tokenizer, token_ids: list[int], whole: bool = True) -> list[bytes | None] | None:
+    """Each token's bytes, None for a piece that does not spell them (whole: then None for all)."""
     byte_level = is_byte_level(tokenizer)
     pieces = [piece_bytes(tokenizer.id_to_token(t) or "", byte_level) for t in token_ids]
-    return None if any(p is None for p in pieces) else pieces  # type: ignore[return-value]
+    return None if whole and any(p is None for p in pieces) else pieces
 
 
 def _begins_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
@@ -161,7 +166,7 @@ def _begins_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
     if pieces is None:
         return False
     try:
-        b"".join(pieces).decode("utf-8")
+        b"".join(pieces).decode("utf-8")  # type: ignore[arg-type]
     except UnicodeDecodeError as error:
         return error.reason == "unexpected end of data"
     return False

@@ -143,8 +143,8 @@ def test_a_stop_string_in_the_released_bytes_ends_the_text_there(tokenizer, incl
     byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _alphabet().items()}
     detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode("Hello"), ["\ufffd"], include, True)
     deltas = [detok.step(t)[0] for t in tokenizer.encode("ok ")]
-    deltas += [detok.step(byte_token[b])[0] for b in (0x80, 0x41 + 0x80)] + [detok.flush()]
-    assert "".join(deltas) == expected == detok.text
+    delta, matched = detok.step(byte_token[0x80])  # a stray byte: U+FFFD at once, whatever follows
+    assert matched == "\ufffd" and "".join([*deltas, delta]) == expected == detok.text
 
 
 def _alphabet() -> dict[str, int]:
@@ -170,3 +170,35 @@ def test_held_back_tail_is_the_longest_possible_stop_start(text, stops):
     detok = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
     detok._stop = stops
     assert detok._num_possible_stop_start(text) == _longest_stop_prefix_suffix(text, stops)
+
+
+def test_a_stop_string_a_literal_replacement_character_completes_ends_the_output_at_once(tokenizer):
+    """The stream holds a token whose text ends in U+FFFD (it may be a character's first bytes); a real one, whole,
+    that completes a stop string ends the output at that token, not after the next character."""
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _alphabet().items()}
+    detok = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode("Hello"), ["\ufffd"], False, True)
+    assert [detok.step(byte_token[b]) for b in b"\xef\xbf"] == [("", None), ("", None)]
+    assert detok.step(byte_token[0xBD]) == ("", "\ufffd") and detok.text == ""
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    from engine.checkpoint.source import open_checkpoint
+    from engine.config import EngineConfig
+    from engine.models.packaged import gemma3_270m_gguf
+
+    config = EngineConfig()
+    return open_checkpoint(str(gemma3_270m_gguf(config.cache_path)), config.cache_path).tokenizer()
+
+
+def test_a_cut_character_after_a_literal_replacement_piece_is_dropped(gemma_tokenizer):
+    """Gemma 3 spells U+FFFD as a piece of its own (not byte tokens): a character max_tokens cut after it was
+    released as one U+FFFD per byte; stop strings found it one character late."""
+    ids = gemma_tokenizer.encode("𠀀\ufffd𠀀\ufffd", add_special_tokens=False)  # 4 bytes, "�", 4 bytes, "�"
+    assert gemma_tokenizer.convert_ids_to_tokens(ids[4]) == "\ufffd" and len(ids) == 10
+    backend, prompt = gemma_tokenizer.backend_tokenizer, gemma_tokenizer.encode("Hi")
+    for n, expected in ((5, "𠀀\ufffd"), (6, "𠀀\ufffd"), (8, "𠀀\ufffd"), (9, "𠀀\ufffd𠀀"), (10, "𠀀\ufffd𠀀\ufffd")):
+        detok = IncrementalDetokenizer(backend, prompt, [], False, True)
+        assert "".join(detok.step(t)[0] for t in ids[:n]) + detok.flush(is_cut=True) == expected, n
+    detok = IncrementalDetokenizer(backend, prompt, ["\ufffd"], False, True)
+    assert [detok.step(t) for t in ids[:5]] == [("", None)] * 3 + [("𠀀", None), ("", "\ufffd")]
