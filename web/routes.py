@@ -151,7 +151,12 @@ def parse_json(data: bytes) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as error:
-        raise APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+        why = str(error)
+        try:  # orjson names any bytes that are not UTF-8 as "surrogates not allowed"
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            why = f"it is not UTF-8 (byte {bad.start:,} is {data[bad.start]:#04x})"
+        raise APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
 
 
 async def generate(
