@@ -318,3 +318,15 @@ def test_cjk_and_emoji_round_trip(client: openai.OpenAI) -> None:
     assert stored["output"][0]["content"][0]["text"] == first.output_text
     again = client.responses.create(model=MODEL, input="🎉", previous_response_id=first.id, max_output_tokens=4)
     assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_a_response_opts_out_of_speculation_as_chat_does() -> None:
+    """"speculative": false was dropped as an unknown field, so the request speculated anyway."""
+    from web.responses_api.request import parse_responses_request
+
+    def speculates(**fields: object) -> bool:
+        return parse_responses_request({"model": MODEL, "input": "hi", **fields}).to_sampling_params().speculative
+
+    assert (speculates(), speculates(speculative=True), speculates(speculative=False)) == (True, True, False)
+    with pytest.raises(Exception, match="speculative: Input should be a valid boolean"):
+        speculates(speculative="no")

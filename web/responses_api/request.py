@@ -104,6 +104,7 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None  # no reasoning to tune: accepted and ignored
+    speculative: bool | None = True  # Sluice's, as on chat and completions: false, this request never speculates
 
     def check_supported(self) -> None:
         unsupported = [
@@ -208,6 +209,7 @@ class ResponsesRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             structured_outputs=self.constraint(),
+            speculative=self.speculative is not False,
         )
 
 
