@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._include_stop = include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
+        self._byte_level = is_byte_level(tokenizer)  # asked once: held tokens ask for their bytes on every step
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self._pending: list[int] = []  # tokens the stream holds: their text so far ends inside a character
         self.text = ""  # everything emitted so far
@@ -48,7 +49,7 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._tokenizer, token_id)
         if piece is None:
             self._pending.append(token_id)
-            if self._stop and can_stop:  # the stream also holds a literal U+FFFD, which may complete a stop string
+            if self._stop and can_stop and self._may_hold_text():  # a literal U+FFFD may complete a stop string
                 text = self._held + self._unfinished_text(is_cut=True)  # final: no token changes text before it
                 if self._find_stop(text) is not None:
                     self._pending.clear()
@@ -70,6 +71,18 @@ class IncrementalDetokenizer:
         self.text += tail
         return tail
 
+    def _may_hold_text(self) -> bool:
+        """Whether the tokens the stream holds may spell whole text (a literal U+FFFD): not when they are the first
+        bytes of one character, which is why it holds them nearly always (a cheaper look than decoding them)."""
+        pieces = _pieces_bytes(self._tokenizer, self._pending, self._byte_level)
+        if pieces is None:
+            return True
+        try:
+            b"".join(pieces).decode("utf-8")  # type: ignore[arg-type]
+        except UnicodeDecodeError as error:
+            return not (error.start == 0 and error.reason == "unexpected end of data")
+        return True
+
     def _unfinished_text(self, is_cut: bool) -> str:
         # The pending tokens start on a character boundary (the stream emitted everything before them), unless the
         # prompt ended inside a character they never finished: their first bytes then show as U+FFFD.
@@ -77,7 +90,7 @@ class IncrementalDetokenizer:
             return ""
         skip = self._skip_special_tokens
         kept = [t for t in self._pending if not (skip and self._tokenizer.decode([t], skip_special_tokens=True) == "")]
-        pieces = _pieces_bytes(self._tokenizer, kept, whole=False)
+        pieces = _pieces_bytes(self._tokenizer, kept, self._byte_level, whole=False)
         # Tokens up to the last whose piece does not spell its bytes (a literal U+FFFD, a word) in the tokenizer's
         # own text of them; the bytes after it with one U+FFFD per run that makes no character (as a byte-level
         # decode shows them), by a decoder that, not told the input is final, keeps back the start of a last
@@ -152,9 +165,10 @@ def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_speci
     return stream
 
 
-def _pieces_bytes(tokenizer: Tokenizer, token_ids: list[int], whole: bool = True) -> list[bytes | None] | None:
+def _pieces_bytes(
+    tokenizer: Tokenizer, token_ids: list[int], byte_level: bool, whole: bool = True
+) -> list[bytes | None] | None:
     """Each token's bytes, None for a piece that does not spell them (whole: then None for all)."""
-    byte_level = is_byte_level(tokenizer)
     pieces = [piece_bytes(tokenizer.id_to_token(t) or "", byte_level) for t in token_ids]
     return None if whole and any(p is None for p in pieces) else pieces
 
@@ -162,7 +176,7 @@ def _pieces_bytes(tokenizer: Tokenizer, token_ids: list[int], whole: bool = True
 def _begins_a_character(tokenizer: Tokenizer, token_ids: list[int]) -> bool:
     """Whether the tokens' bytes end inside a UTF-8 character (False where a token's piece does not spell its
     bytes)."""
-    pieces = _pieces_bytes(tokenizer, token_ids)
+    pieces = _pieces_bytes(tokenizer, token_ids, is_byte_level(tokenizer))
     if pieces is None:
         return False
     try:
