@@ -165,8 +165,9 @@ class ChatResponses(_Responses):
     def _finish_reason(finish_reason: FinishReason | None, parser: ToolCallParser | None) -> FinishReason | None:
         """"tool_calls" for an output that ended after whole calls; a call a stop string cut in its arguments keeps
         "stop", as one max_tokens cut keeps "length" (a client would run a call whose arguments are not JSON)."""
-        has_calls = parser is not None and bool(parser.calls) and all(_is_json(c.arguments) for c in parser.calls)
-        return FinishReason.TOOL_CALLS if has_calls and finish_reason is FinishReason.STOP else finish_reason
+        if finish_reason is not FinishReason.STOP or parser is None or not parser.calls:
+            return finish_reason
+        return FinishReason.TOOL_CALLS if all(_is_json(c.arguments) for c in parser.calls) else finish_reason
 
     def full_response(self, results: list[ChoiceOutput]) -> dict:
         """results: the request's choices, in index order."""
