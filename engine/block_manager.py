@@ -55,6 +55,11 @@ class BlockManager:
         num_slots = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-num_slots // self.block_size) - len(seq.block_table))
 
+    def num_fitting_tokens(self, seq: Sequence) -> int:
+        """How many uncomputed tokens seq's blocks and the free ones hold."""
+        num_slots = (len(seq.block_table) + len(self.free_block_ids)) * self.block_size
+        return num_slots - seq.num_computed_tokens
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_block_ids)
 

@@ -8,7 +8,8 @@ shared with other choices stays theirs) and it goes back to the front of the que
 the prefix cache, mostly) later. The scheduler never touches tensors.
 
 With a speculator, a decoding sequence may also feed draft tokens (engine/speculative/): its chunk is then its
-last token and k drafts, given blocks only if they are free (drafts never preempt anyone). After the step only
+last token and k drafts, offered once every running sequence has its chunk, from the budget and the free
+blocks left (so drafts never cause a preemption nor crowd a running sequence out). After the step only
 the accepted drafts count as computed, and blocks that hold nothing but rejected drafts go back to the pool.
 """
 
@@ -61,17 +62,9 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         has_preempted = False
         i = 0
-        num_running = len(self.running)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            drafts: list[int] = []
-            if self.speculator is not None and seq.num_uncomputed_tokens == 1 < budget:
-                drafts = self.speculator.propose(seq, num_running)[: budget - 1]
-                if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
-                    num_tokens += len(drafts)
-                else:
-                    drafts = []
             while not self.block_manager.allocate_slots(seq, num_tokens):
                 has_preempted = True
                 victim = self.running[-1]
@@ -79,11 +72,13 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledChunk(seq, num_tokens, drafts) if drafts else ScheduledChunk(seq, num_tokens))
+                scheduled.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
                 i += 1
         if has_preempted:
-            return scheduled  # no admissions while memory is short: they would be preempted next
+            return scheduled  # no drafts nor admissions while memory is short: they would be preempted next
+        if self.speculator is not None:
+            budget = self._add_drafts(scheduled, budget)
         num_seats = sum(seq.num_seats for seq in self.running)
         while self.waiting and budget > 0 and num_seats + self.waiting[0].num_seats <= self.max_num_seqs:
             seq = self.waiting[0]
@@ -97,6 +92,25 @@ class Scheduler:
             scheduled.append(ScheduledChunk(seq, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _add_drafts(self, scheduled: list[ScheduledChunk], budget: int) -> int:
+        """Once every running sequence has its chunk, give decoding ones drafts from the budget and the blocks
+        left (so drafts never take a block a running sequence needs: they never cause a preemption); returns
+        the budget left."""
+        num_running = len(self.running)
+        for chunk in scheduled:
+            if budget <= 0:
+                break
+            seq = chunk.seq
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            drafts = self.speculator.propose(seq, num_running)[:budget]
+            drafts = drafts[: self.block_manager.num_fitting_tokens(seq) - 1]
+            if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                chunk.num_tokens += len(drafts)
+                chunk.draft_token_ids = drafts
+                budget -= len(drafts)
+        return budget
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Give a waiting sequence its cached prefix and blocks for its first chunk; False if they are short."""

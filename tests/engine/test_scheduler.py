@@ -3,7 +3,6 @@
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.input_processor import PreparedRequest
-from engine.input_processor import PreparedRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -118,3 +117,41 @@ def test_prefix_cache_hit_skips_computed_blocks():
     chunks = run_step(sched)
     assert chunks[0].num_tokens == 1 and seq.num_cached_tokens == 12
     assert bm.prefix_cache_hit_rate == 12 / 26
+
+
+class FixedDrafts:
+    """A speculator that offers every decoding sequence the same drafts."""
+
+    is_enabled = True
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+        self.num_running_seen: list[int] = []
+
+    def propose(self, seq: Sequence, num_running: int) -> list[int]:
+        self.num_running_seen.append(num_running)
+        return list(self.drafts)
+
+
+def test_drafts_take_only_blocks_and_budget_no_running_sequence_needs():
+    sched, bm = make(num_blocks=4, block_size=4, budget=64, caching=False)
+    a, b = add(sched, 0, 4, 8), add(sched, 1, 4, 8)
+    run_step(sched)  # both prefilled into a block each and sampled once: each decode needs a new block
+    sched.speculator = FixedDrafts([7, 7, 7, 7])
+    chunks = sched.schedule()
+    # a's four drafts would take both free blocks and preempt b; each gets a block and the drafts it leaves room for
+    assert sched.num_preemptions == 0 and bm.num_free_blocks == 0
+    assert [(c.seq, c.num_tokens, c.draft_token_ids) for c in chunks] == [(a, 4, [7, 7, 7]), (b, 4, [7, 7, 7])]
+    assert sched.speculator.num_running_seen == [2, 2]
+    sched.on_computed(chunks)  # every draft rejected: the blocks they alone held go back
+    assert bm.num_free_blocks == 0 and a.num_computed_tokens == b.num_computed_tokens == 5
+
+
+def test_drafts_never_crowd_a_running_sequence_out_of_the_budget():
+    sched, bm = make(max_num_seqs=3, budget=6)
+    seqs = [add(sched, i, 2, 8) for i in range(3)]
+    run_step(sched)
+    sched.speculator = FixedDrafts([7, 7, 7, 7])
+    chunks = sched.schedule()
+    # every decode first (3 tokens), then drafts from what is left of the 6: the first sequence's 3
+    assert [(c.seq, c.num_tokens) for c in chunks] == [(seqs[0], 4), (seqs[1], 1), (seqs[2], 1)]
