@@ -18,6 +18,7 @@ from engine.input_processor import chat_template_options, join_text_parts
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
+from web.ignored_fields import report_ignored_fields
 from web.strict_schema import closed_objects
 from web.tool_calls import FunctionTool
 
@@ -392,6 +393,7 @@ def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
         param = _param_from_loc(first["loc"])
         where = f"{param}: " if param else ""
         raise APIError(400, f"{where}{_union_message(errors, first, param)}"[:500], param=param) from None
+    report_ignored_fields(model, body)
     request.check_supported()
     return request
 

@@ -489,3 +489,19 @@ def test_a_client_that_leaves_a_stream_of_prompts_aborts_them_all(server: Thread
                 wait_until(lambda: health(server.base_url)[1]["running"] == 3)
         wait_until(lambda: health(server.base_url)[1]["running"] == 0, timeout=5)  # within a few steps
     wait_until(lambda: server.engine.num_free_blocks == server.engine.num_total_blocks, timeout=5)
+
+
+def test_fields_sluice_does_not_read_are_served_and_named_once_in_the_log(http: httpx.Client, caplog) -> None:
+    body = {**COMPLETION, "max_tokens": 2, "x_vendor_k": 4, "x_vendor_flag": True}
+    with caplog.at_level("WARNING", logger="sluice.server"):
+        for _ in range(2):
+            assert http.post("/v1/completions", json=body).status_code == 200
+        chat = {**CHAT, "max_tokens": 2, "x_vendor_k": 4, "x_vendor_n": 1}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "ignored request field" in r.getMessage()]
+    assert warnings == [
+        "/v1/completions: ignored request field(s) 'x_vendor_k', 'x_vendor_flag': Sluice does not read them "
+        "(each name is logged once)",
+        "/v1/chat/completions: ignored request field(s) 'x_vendor_n': Sluice does not read them (each name is "
+        "logged once)",
+    ]

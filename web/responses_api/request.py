@@ -12,6 +12,7 @@ from engine.input_processor import join_text_parts
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 from web.errors import APIError
+from web.ignored_fields import report_ignored_fields
 from web.responses_api.conversation import Item, function_call, function_call_output, message
 # _TYPE_TAG: union members pydantic puts in `loc`
 from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params
@@ -217,6 +218,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     request: ResponsesRequest = _validate(ResponsesRequest, body, "")
+    report_ignored_fields(ResponsesRequest, body)
     request.check_supported()
     return request
 
