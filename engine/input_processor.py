@@ -73,9 +73,7 @@ class InputProcessor:
         return self._prepare(request_id, self.encode_chat(messages, **template_kwargs), params, "messages")
 
     def encode_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
+        if isinstance(prompt, str):  # "" is a prompt on a model whose tokenizer adds a start token (as in vLLM)
             self._check_chars(len(prompt), "prompt")
             try:
                 return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -185,6 +183,9 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         params.check()
+        if not prompt:
+            raise InvalidRequest(f"{param} must not be empty (this model's tokenizer adds no start token to begin from)",
+                                 param=param)  # fmt: skip
         self._check_num_tokens(len(prompt), param)
         max_tokens = self.check_lengths(len(prompt), params)
         structured = params.structured_outputs

@@ -100,3 +100,12 @@ def test_gemma3_270m_native_step_matches_transformers_and_is_batch_invariant(
     assert alone == together
     assert alone == refs
     assert_pool_full(llm)
+
+
+def test_an_empty_prompt_begins_from_the_start_token_as_in_vllm(gemma_llm: LLM) -> None:
+    """Gemma's tokenizer adds <bos>: "" is the prompt [<bos>]. SmolLM2's adds nothing: "" has no token to begin
+    from and is a ValueError naming the prompt (tests/web/test_server.py: a 400)."""
+    bos = gemma_llm.engine.tokenizer.bos_token_id
+    out = gemma_llm.generate("", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [bos] and len(out.token_ids) == 3
+    assert out.token_ids == gemma_llm.generate([[bos]], GREEDY, use_tqdm=False)[0].token_ids[:3]
