@@ -54,6 +54,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("model", "cache_dir"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))  # frozen: a path given as a Path is kept as text
+            elif not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or a path, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool):
+            raise ValueError(f"num_threads must be an integer, got {self.num_threads!r}")
         if not 0 <= self.num_threads <= MAX_THREADS:
             raise ValueError(f"num_threads must be in [0, {MAX_THREADS}] (0: one a core), got {self.num_threads}")
         if self.quantize not in QUANTIZE_MODES:

@@ -40,6 +40,11 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"speculative must be one of {MODES}, got {self.mode!r}")
+        names = ("speculative_k", "speculative_ngram_min", "speculative_ngram_max", "speculative_recent_tokens")
+        values = (self.num_drafts, self.min_ngram, self.max_ngram, self.recent_tokens)
+        for name, value in zip(names, values):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if not 1 <= self.num_drafts <= 16:
             raise ValueError(f"speculative_k must be in [1, 16], got {self.num_drafts}")
         if not 1 <= self.min_ngram <= self.max_ngram <= 8:

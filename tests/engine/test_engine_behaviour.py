@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 
 from tests.support.engine_helpers import assert_pool_full, make_llm
@@ -383,3 +384,24 @@ def test_params_changed_after_construction_are_checked_when_added(llm):
     assert raised.value.param == "temperature"
     assert_pool_full(llm)
     assert len(llm.generate(["Hello"], good, use_tqdm=False)[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"speculative_k": "4"}, "speculative_k must be an integer, got '4'"),
+        ({"speculative_ngram_max": 2.5}, "speculative_ngram_max must be an integer, got 2.5"),
+        ({"speculative": None}, "speculative must be one of"),
+        ({"num_threads": "2"}, "num_threads must be an integer, got '2'"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be a boolean, got 'no'"),
+        ({"model": 5}, "model must be a string or a path, got 5"),
+    ],
+)
+def test_engine_settings_of_the_wrong_type_are_value_errors_naming_them(setting, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**setting)
+
+
+def test_a_model_and_cache_folder_may_be_given_as_paths(tmp_path):
+    config = EngineConfig(model=tmp_path / "m.gguf", cache_dir=tmp_path)
+    assert config.model == str(tmp_path / "m.gguf") and config.cache_dir == str(tmp_path)
