@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskStatus
 
+from engine.abandoned_load import AbandonableLoad
 from engine.batch import StepOutput
 from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
@@ -283,10 +284,12 @@ class AsyncEngine:
         """Load and warm the engine (in a worker thread), report started, then step until stopped."""
         try:
             # abandon_on_cancel: a stop during a load (SIGTERM while a large file packs) is not kept waiting for it
-            self._engine = await anyio.to_thread.run_sync(self._load_engine, abandon_on_cancel=True)
+            load = AbandonableLoad(self._load_engine)
+            self._engine = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             self._state = EngineState.STOPPED
             self.is_load_abandoned = True
+            load.abandon()
             logger.info("stopped before the model had loaded")
             raise
         except BaseException:

@@ -367,11 +367,16 @@ def test_stop_writes_out_a_slow_readers_finished_stream(tiny_llama_dir) -> None:
     assert received.rstrip(b"\r\n0").endswith(b"data: [DONE]"), received[-300:]
 
 
-# The server with a load that never ends (a stand-in for a large file, or a file whose metadata keeps it busy).
+# The server with a load that never ends (a stand-in for a large file, or a file whose metadata keeps it busy),
+# and logs as it goes.
 ENDLESS_LOAD_SERVER = """
-import sys, threading
+import logging, sys, time
 from engine import llm_engine
-llm_engine.LLMEngine.__init__ = lambda self, config: threading.Event().wait()
+def endless(self, config):
+    while True:
+        logging.getLogger("engine.loader").warning("still loading")
+        time.sleep(0.02)
+llm_engine.LLMEngine.__init__ = endless
 from web.server import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -389,6 +394,9 @@ def test_sigterm_while_the_model_loads_exits_zero_without_waiting_for_the_load(t
         assert process.wait(timeout=30) == 0
         log = process.stdout.read().decode()
         assert "stopped before the model had loaded" in log and "Traceback" not in log
+        # the abandoned load's thread runs on until the exit, but is heard no more
+        assert "still loading" in log.split("SIGTERM")[0]
+        assert "still loading" not in log.split("stopped before the model had loaded")[1], log
 
 
 def test_loading_answers_503_until_the_engine_is_ready(tiny_llama_dir) -> None:
