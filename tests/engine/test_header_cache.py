@@ -7,8 +7,10 @@ import logging
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from engine import LLM, SamplingParams
+from engine.checkpoint.gguf_tokenizer import converted_tokenizer
 from engine.checkpoint.source import default_gguf_path, open_checkpoint
 from engine.config import EngineConfig
 from engine.models.packaged import gemma3_270m_gguf
@@ -34,7 +36,12 @@ def test_a_cached_start_gets_the_token_ids_of_a_fresh_conversion(which: str, tmp
     fresh_tok, cold_tok = fresh.tokenizer(), cold.tokenizer()
     assert _entry_files(tmp_path), "the first start wrote an entry"
     warm_tok = open_checkpoint(str(path), tmp_path).tokenizer()
-    for tok in (cold_tok, warm_tok):
+    # the wrapper as transformers builds it given the vocabulary object (which it deep-copies)
+    vocabulary, kwargs = converted_tokenizer(path, fresh.metadata, fresh._file[: fresh._data_start])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=vocabulary, **kwargs)
+    assert type(fresh_tok) is type(wrapped) and fresh_tok.init_kwargs == wrapped.init_kwargs
+    assert fresh_tok.backend_tokenizer.to_str() == wrapped.backend_tokenizer.to_str()
+    for tok in (wrapped, cold_tok, warm_tok):
         assert len(tok) == len(fresh_tok) and tok.all_special_tokens == fresh_tok.all_special_tokens
         assert tok.chat_template == fresh_tok.chat_template
         for text in TEXTS:
