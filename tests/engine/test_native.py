@@ -255,7 +255,8 @@ def both_precisions(x: torch.Tensor, spec, n: int) -> list[torch.Tensor]:
 def test_file_sized_layouts_give_the_bits_of_the_float32_scaled_ones(isa: str) -> None:
     """Q4_K with its 6-bit scales times a float32 per super-block (4.75 bits a weight, against 6 with float32
     scales) and Q6_K in the Q6 layout (6.6 bits, against 10 in the Q8 layer layout) multiply the same float32
-    scales and sum the same integers: the same bits in both precisions, rows independent, with a bias."""
+    scales and sum the same integers: the same bits in both precisions, rows independent, with a bias. Except Q6_K
+    with int8 activations, whose scales the Q6 layout applies in integers per 32 (q6.inc): the float64 reference."""
     rng = np.random.default_rng(6)
     gen = torch.Generator().manual_seed(6)
     with on_isa(isa):
@@ -275,8 +276,14 @@ def test_file_sized_layouts_give_the_bits_of_the_float32_scaled_ones(isa: str) -
                 x[-1, 3] = 30.0  # an outlier in a group
                 for packed, reference in ((small, wide), (q6, q8l)):
                     ys = both_precisions(x, linear_spec(packed), n)
-                    for y, expected in zip(ys, both_precisions(x, linear_spec(reference), n)):
-                        assert torch.equal(y, expected), (packed.layout, n, k, m)
+                    expected = both_precisions(x, linear_spec(reference), n)
+                    if packed is q6:
+                        q, scale16 = torch.from_numpy(g6.q), torch.from_numpy(g6.scale)
+                        q6_i8 = q8_layer_reference(x, q, scale16, None, INT8_STEPS)
+                        torch.testing.assert_close(ys[1].double(), q6_i8 + bias.double(), atol=2e-4, rtol=1e-5)
+                        expected[1] = ys[1]
+                    for y, e in zip(ys, expected):
+                        assert torch.equal(y, e), (packed.layout, n, k, m)
                     for i in range(m):
                         alone = both_precisions(x[i : i + 1], linear_spec(packed), n)
                         assert all(torch.equal(a[0], y[i]) for a, y in zip(alone, ys))
