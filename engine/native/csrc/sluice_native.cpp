@@ -388,30 +388,30 @@ class Scratch {
   size_t size_;
 };
 
-// One row's integer sums of each 16 as the Q6 kernels take them (Q6Rows): offset16 and, for int8 values, neg_sums16.
-void sums_of_16(const short* row, int K, bool is_int8, int* offset16, int* neg_sums16) {
+// One row's offsets of each 16 as the Q6 kernels take them (Q6Rows): offset16 and, for int8 values, offset16_pairs.
+void q6_offsets(const short* row, int K, bool is_int8, int* offset16, int* offset16_pairs) {
   for (int h = 0; h < K / 16; h++) {
-    int sum = 0;
-    for (int i = 0; i < 16; i++) sum += row[h * 16 + i];
-    offset16[h] = -32 * sum;
+    int even = 0, odd = 0;
+    for (int i = 0; i < 16; i += 2) even += row[h * 16 + i], odd += row[h * 16 + i + 1];
+    offset16[h] = -32 * (even + odd);
+    if (is_int8)  // |32 * sum| <= 32 * 8 * 127: int16
+      offset16_pairs[h] = (int)((unsigned short)(-32 * even) | (unsigned)(-32 * odd) << 16);
   }
-  for (int g = 0; is_int8 && g < K / 32; g++)  // -sum = offset / 32, |sum| <= 16 * 127: int16
-    neg_sums16[g] = (int)((unsigned short)(offset16[2 * g] >> 5) | (unsigned)(offset16[2 * g + 1] >> 5) << 16);
 }
 
 // The rows of a linear's input, each quantised once per group of 32, to int16 steps (precision "exact") or int8
 // steps (is_int8: llama.cpp's activations), with their group scales and sums; `bytes` also packs the int8 values
 // for the kernels that multiply bytes (pack_x8), `sums16` adds the integer sums of each 16 the Q6 layout takes
-// (offset16, and neg_sums16 for int8: see Q6Rows).
+// (offset16, and offset16_pairs for int8: see Q6Rows).
 struct QuantizedRows {
   Scratch<short> xq;
   Scratch<signed char> x8;
   Scratch<float> sx, xsum;
-  Scratch<int> offset16, neg_sums16;
+  Scratch<int> offset16, offset16_pairs;
 
   QuantizedRows(const float* x, long ldx, int M, int K, bool is_int8, bool bytes, bool sums16 = false)
       : xq((size_t)M * K), x8(bytes ? (size_t)M * K : 0), sx((size_t)M * (K / 32)), xsum(sx.size()),
-        offset16(sums16 ? (size_t)M * (K / 16) : 0), neg_sums16(sums16 && is_int8 ? sx.size() : 0) {
+        offset16(sums16 ? (size_t)M * (K / 16) : 0), offset16_pairs(sums16 && is_int8 ? offset16.size() : 0) {
     const Kernels& kern = kernels();
     const int G = K / 32;
     const float qmax = is_int8 ? 127.0f : 32767.0f;
@@ -420,7 +420,7 @@ struct QuantizedRows {
         const short* row = xq.data() + r * K;
         kern.quantize(x + r * ldx, K, qmax, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
         if (bytes) kern.pack_x8(row, K, x8.data() + r * K);
-        if (sums16) sums_of_16(row, K, is_int8, offset16.data() + r * (K / 16), neg_sums16.data() + r * G);
+        if (sums16) q6_offsets(row, K, is_int8, offset16.data() + r * (K / 16), offset16_pairs.data() + r * (K / 16));
       }
     });
   }
@@ -557,7 +557,7 @@ struct Q6Linear {
     const signed char* sc = t[2].data_ptr<signed char>();
     const float* d = t[3].data_ptr<float>();
     const Q6Rows x6{rows.xq.data(), is_int8 ? rows.x8.data() : nullptr, rows.sx.data(), rows.offset16.data(),
-                    is_int8 ? rows.neg_sums16.data() : nullptr};
+                    is_int8 ? rows.offset16_pairs.data() : nullptr};
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
       kern.q6_gemm(qs, qh, sc, d, K, N, bias_data, x6, M, y, ldy, (int)t0, (int)t1);
     });
