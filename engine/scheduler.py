@@ -104,8 +104,9 @@ class Scheduler:
             seq = chunk.seq
             if seq.num_uncomputed_tokens != 1:
                 continue
-            drafts = self.speculator.propose(seq, num_running)[:budget]
-            drafts = drafts[: self.block_manager.num_fitting_tokens(seq) - 1]
+            # >= 0: the decode's own slot is allocated; no room, no proposal (it costs Python per sequence)
+            room = min(budget, self.block_manager.num_fitting_tokens(seq) - 1)
+            drafts = self.speculator.propose(seq, num_running)[:room] if room else []
             if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
                 chunk.num_tokens += len(drafts)
                 chunk.draft_token_ids = drafts
