@@ -335,9 +335,10 @@ def test_q6_and_super_block_layouts_give_the_same_bits_on_every_simd_variant() -
 
 
 def test_q8_layer_kernels_give_the_same_bits_on_every_simd_variant() -> None:
-    """16 lanes and 8, int16 (vpdpwssd, pmaddwd) and int8 activations (AVX-512 multiplies their bytes plus 128 with
-    vpdpbusd): the same integer sums and the same float operations per lane (baseline x86-64 has no FMA). Scales
-    per 32 (Q5_0; Q5_1 with minimums and a bias; Q8_0 down to -128) and per 16 (Q6_K); 1, 4 and 13 rows."""
+    """16 lanes and 8, int16 (vpdpwssd, pmaddwd) and int8 activations (AVX-512 multiplies their bytes by the weights'
+    plus 128 with vpdpbusd, each sum started from -128 times theirs): the same integer sums and the same float
+    operations per lane (baseline x86-64 has no FMA). Scales per 32 (Q5_0; Q5_1 with minimums and a bias; Q8_0 down
+    to -128) and per 16 (Q6_K); 1, 4 and 13 rows."""
     isas = [isa for isa in SIMD_ISAS if isa in available_isas()]
     if len(isas) < 2:
         pytest.skip("this CPU runs only one of avx512, avxvnni and avx2")
@@ -382,10 +383,10 @@ def test_q4_and_q8_kernels_give_the_same_bits_on_every_simd_variant_in_both_prec
 
 
 def test_int8_lm_head_gives_the_same_bits_on_every_variant_and_rows_alone() -> None:
-    """The lm_head in precision "int8": AVX-512 multiplies the activations' bytes plus 128 with vpdpbusd and takes
-    128 times the weights' sum off again, AVX2 and baseline run the int16 kernel on the same int8 values: the same
-    integers, so the same bits (baseline x86-64, without FMA, rounds its float steps apart); each row's the same alone
-    as among 11 (8 + 1 + 1 + 1 in the AVX-512 tiles)."""
+    """The lm_head in precision "int8": AVX-512 multiplies the activations' bytes by the weights' plus 128 with
+    vpdpbusd, each sum started from -128 times the activations' (4+ rows), AVX2 and baseline run the int16 kernel on
+    the same int8 values: the same integers, so the same bits (baseline x86-64, without FMA, rounds its float steps
+    apart); each row's the same alone as among 11 (8 + 1 + 1 + 1 in the AVX-512 tiles)."""
     gen = torch.Generator().manual_seed(8)
     n, k = 1000, 640  # n not a multiple of 16
     w = torch.randn(n, k, generator=gen) * 0.05

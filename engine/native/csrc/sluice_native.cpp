@@ -292,6 +292,7 @@ struct Kernels {
   decltype(&isa_base::q8_gemm_i8) q8_gemm_i8;
   decltype(&isa_base::q8l_gemm) q8l_gemm;
   decltype(&isa_base::q8l_gemm_i8) q8l_gemm_i8;
+  decltype(&isa_base::int8_bytes) int8_bytes;
   decltype(&isa_base::q6_gemm) q6_gemm;
   decltype(&isa_base::add_rmsnorm) add_rmsnorm;
   decltype(&isa_base::group_sums) group_sums;
@@ -314,7 +315,7 @@ struct Kernels {
 #define SLUICE_KERNELS(ns)                                                                                        \
   Kernels {                                                                                                       \
     #ns, ns::q4_gemm, ns::quantize, ns::pack_x8, ns::q4_gemm_i8, ns::q8_gemm, ns::q8_gemm_i8, ns::q8l_gemm,       \
-        ns::q8l_gemm_i8, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, ns::rope, \
+        ns::q8l_gemm_i8, ns::int8_bytes, ns::q6_gemm, ns::add_rmsnorm, ns::group_sums, ns::silu_mul, ns::gelu_tanh_mul, ns::rope, \
         ns::store_k_f32, ns::store_k_bf16, ns::attend_f32, ns::attend_bf16, ns::attend_pair_f32,                  \
         ns::attend_pair_bf16, ns::madd_peak, ns::madd_peak_i8, ns::read_stream, ns::sample_row, ns::argmax_row    \
   }
@@ -426,13 +427,17 @@ struct QuantizedRows {
   }
 };
 
-// int8 activation values as the unsigned bytes vpdpbusd multiplies: q + 128 (the kernels take 128 times the
-// weights' sum off again); empty for int16 activations.
-Scratch<unsigned char> biased_bytes(const QuantizedRows& rows, bool is_int8) {
-  Scratch<unsigned char> xu(is_int8 ? rows.xq.size() : 0);
-  for (size_t i = 0; i < xu.size(); i++) xu[i] = (unsigned char)(rows.xq[i] + 128);
-  return xu;
-}
+// int8 activation values as the variant's byte kernels multiply them, made once a call (see int8_bytes); empty for
+// int16 activations.
+struct ByteRows {
+  Scratch<unsigned char> bytes;
+  Scratch<int> offset16;
+
+  ByteRows(const QuantizedRows& rows, bool is_int8)
+      : bytes(is_int8 ? rows.xq.size() : 0), offset16(bytes.size() / 16) {
+    if (is_int8) kernels().int8_bytes(rows.xq.data(), (long)bytes.size(), bytes.data(), offset16.data());
+  }
+};
 
 // An optional float32 tensor of n values (empty: absent) as a pointer, or nullptr.
 const float* optional_f32(const at::Tensor& t, int64_t n, const char* what) {
@@ -517,12 +522,13 @@ struct Q8Linear {
   void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    const Scratch<unsigned char> xu = biased_bytes(rows, is_int8);
+    const ByteRows xb(rows, is_int8);
     const signed char* q = t[0].data_ptr<signed char>();
     const float* s = t[1].data_ptr<float>();
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
       if (is_int8)
-        kern.q8l_gemm_i8(q, s, minv_data, scale_group, K, N, bias_data, rows.xq.data(), xu.data(), rows.sx.data(),
+        kern.q8l_gemm_i8(q, s, minv_data, scale_group, K, N, bias_data, rows.xq.data(), xb.bytes.data(),
+                         xb.offset16.data(), rows.sx.data(),
                          rows.xsum.data(), M, y, ldy, (int)t0, (int)t1);
       else
         kern.q8l_gemm(q, s, minv_data, scale_group, K, N, bias_data, rows.xq.data(), rows.sx.data(),
@@ -622,13 +628,14 @@ struct Q8Matrix {
     const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    const Scratch<unsigned char> xu = biased_bytes(rows, is_int8);
+    const ByteRows xb(rows, is_int8);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
     const int k = K, n = N;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       if (is_int8)
-        kern.q8_gemm_i8(q, s, k, n, rows.xq.data(), xu.data(), rows.sx.data(), M, y, ldy, (int)t0, (int)t1);
+        kern.q8_gemm_i8(q, s, k, n, rows.xq.data(), xb.bytes.data(), xb.offset16.data(), rows.sx.data(), M, y, ldy,
+                        (int)t0, (int)t1);
       else
         kern.q8_gemm(q, s, k, n, rows.xq.data(), rows.sx.data(), M, y, ldy, (int)t0, (int)t1);
     });
