@@ -11,13 +11,16 @@ default model's shapes); prints G multiply-adds/s per variant and each one's rat
 builds of the native extension instead (a column per build and variant), e.g. main's
 engine/native/_build/sluice_native.so copied aside before a change against the changed one: each build runs in a
 process of its own, which takes its turns when this one names them. (Loaded side by side in one process, every build
-was the first: Python handed back the module it had already made for the name "sluice_native".)
+was the first: Python handed back the module it had already made for the name "sluice_native".) Every process is
+pinned to one core: unpinned, the same build in two processes read 0.94-0.97x of itself on a Zen 4 guest whose two
+vCPUs ran at different speeds, and pinned 1.00x.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -142,11 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     if missing := [v for v in variants if v not in runnable]:
         raise SystemExit(f"this CPU cannot run the {', '.join(missing)} kernels (it can run: {', '.join(runnable)})")
     torch.set_num_threads(1)
+    cores = os.sched_getaffinity(0)
+    core = max(cores)
+    os.sched_setaffinity(0, {core})  # the builds' processes inherit it
     paths = [b for b in args.builds.split(",") if b]
-    builds = [BuildProcess(p, args, variants) for p in paths]
+    builds: list[BuildProcess] = []
     try:
+        for path in paths:
+            builds.append(BuildProcess(path, args, variants))
         labels = [f"{Path(p).name}:{v}" for p in paths for v in variants] or variants
-        print(f"{cpu_name()}; one thread, CPU time; {args.turns} turns of {TURN_SECONDS * 1e3:.0f} ms per column")
+        print(f"{cpu_name()}; one thread on core {core}, CPU time; {args.turns} turns of {TURN_SECONDS * 1e3:.0f} ms per column")
         print(f"{'kernel':16s} rows " + " ".join(f"{c:>9s}" for c in labels) + "  (G multiply-adds/s; ratio to the first)")
         columns = [] if builds else columns_of(ops, args.kernels, rows, variants)
         for group, spec_m in enumerate((spec, m) for spec in args.kernels.split(",") for m in rows):
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for b in builds:
             b.close()
+        os.sched_setaffinity(0, cores)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import pytest
@@ -34,7 +35,8 @@ def test_a_variant_the_cpu_lacks_is_refused_by_name() -> None:
 
 def test_builds_run_in_processes_of_their_own_with_a_column_each(monkeypatch, tmp_path, capsys) -> None:
     """Two copies of the build, each in its own process running its own file (in one process Python handed back the
-    first build's module for the second: every comparison measured the first build twice)."""
+    first build's module for the second: every comparison measured the first build twice), both on one core (on two,
+    a build read 0.94-0.97x of itself where the guest's cores ran at different speeds)."""
     import shutil
 
     from engine.native import BUILD_DIR, MODULE_NAME
@@ -50,7 +52,18 @@ def test_builds_run_in_processes_of_their_own_with_a_column_each(monkeypatch, tm
     finally:
         for p in processes:
             p.close()
+    cores = os.sched_getaffinity(0)
+    started_on = []
+
+    class Recorded(bench_variants.BuildProcess):  # the cores a build's process inherits
+        def __init__(self, *a) -> None:
+            started_on.append(os.sched_getaffinity(0))
+            super().__init__(*a)
+
+    monkeypatch.setattr(bench_variants, "BuildProcess", Recorded)
     assert bench_variants.main(argv) == 0
+    assert len(started_on) == 2 and started_on[0] == started_on[1] and len(started_on[0]) == 1  # one core for both
+    assert os.sched_getaffinity(0) == cores  # given back
     printed = capsys.readouterr().out
     assert f"old.so:{best}" in printed and f"new.so:{best}" in printed
     (figures,) = re.findall(r"^q4i8 down\s+2\s+(.*)$", printed, re.MULTILINE)
