@@ -227,11 +227,15 @@ class LLMEngine:
 
     def _probe_step_cost(self) -> None:
         """Time a few decode-like steps of 1 and of 1 + k rows (with their logits), so that "auto" speculation
-        starts from this machine's costs. Only blocks 0-3 are written, and nothing holds them yet."""
-        width = self.config.speculative_k + 1
+        starts from this machine's costs. Only the first few blocks are written, and nothing holds them yet."""
+        block_size = self.config.block_size
+        # 4 blocks, or as many as 1 + k rows need (blocks of 1 or 2 tokens); a pool holding fewer caps the rows,
+        # as it caps every verification (max_model_len)
+        num_blocks = min(self.config.num_kv_blocks, max(4, -(-(self.config.speculative_k + 1) // block_size)))
+        width = min(self.config.speculative_k + 1, num_blocks * block_size)
         row = SamplingRow(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, None, None, 0, [], [])
-        blocks = list(range(min(4, self.config.num_kv_blocks)))
-        start = max(0, min(len(blocks) * self.config.block_size, 48) - width)
+        blocks = list(range(num_blocks))
+        start = max(0, min(num_blocks * block_size, 48) - width)
         for num_rows in (1, width) * 3:
             chunk = SeqChunk(-1, [0] * num_rows, start, blocks, row, verify_rows=[row] * num_rows)
             begin = time.perf_counter()

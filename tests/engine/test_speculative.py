@@ -291,3 +291,17 @@ def test_an_auto_engine_learns_its_step_cost_and_keeps_the_output(tiny_llama_dir
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in _run(auto, PROMPTS, params)] == [o.token_ids for o in _run(off, PROMPTS, params)]
     assert_pool_full(auto)
+
+
+@pytest.mark.parametrize("block_size, num_kv_blocks, k", [(1, 64, 8), (2, 64, 8), (4, 2, 16), (16, 1, 16)])
+def test_an_auto_engine_starts_on_small_blocks_and_small_pools(tiny_llama_dir, llms, block_size, num_kv_blocks, k):
+    """The load-time probe's 1 + k rows need k + 1 slots: blocks of 1 or 2 tokens, or a pool of a block or two,
+    hold fewer in the 4 blocks it used (an IndexError at load)."""
+    off, _ = llms
+    auto = make_llm(tiny_llama_dir, speculative="auto", speculative_k=k, block_size=block_size,
+                    num_kv_blocks=num_kv_blocks)  # fmt: skip
+    assert 0 <= auto.engine.speculator.cost.fixed < 1
+    prompt = [5, 6, 7, 5, 6, 7]
+    params = SamplingParams(max_tokens=auto.engine.max_model_len - len(prompt), temperature=0, ignore_eos=True)
+    assert _run(auto, [prompt], params)[0].token_ids == _run(off, [prompt], params)[0].token_ids
+    assert_pool_full(auto)
