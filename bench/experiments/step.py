@@ -1,11 +1,15 @@
-"""One native decode step of a real model, per kernel variant and row count: its forward (every layer) and its logits.
+"""One native decode step of a real model, per kernel variant and row count: its forward (every layer), its logits, and
+the two in one call as the engine runs them.
 
     python -m bench step [--model PATH] [--rows 1,8,32] [--variants avx512,avx2] [--precision int8] [--calls 200]
 
 Each row is one sequence decoding one token at a position between 60 and 260 of its own (a scattered bf16 paged
 cache, as the engine's), so one row is the one-stream decode a server runs, bound by the bytes of weights it reads.
-Reports the minimum and median over `--calls` calls; this machine's speed drifts by tens of percent over minutes, so
-compare two builds by running them in turns, not one after the other's whole run.
+Reports the minimum and median over `--calls` calls. The step column is the one a server sees: timed alone, a head
+that fits the last-level cache (the default model's 28 MB) stays there from call to call, where in a step the
+layers' weights pass through first (the default model's one row on Zen 4: logits 0.45-0.6 ms alone, 1.17 ms a token
+in the engine). This machine's speed drifts by tens of percent over minutes: compare two builds by running them in
+turns, not one after the other's whole run.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def timings(fn: Callable[[], object], calls: int) -> list[float]:
     return out
 
 
-def measure(backend, rows: int, calls: int) -> tuple[list[float], list[float]]:
+def measure(backend, rows: int, calls: int) -> tuple[list[float], list[float], list[float]]:
     import torch
 
     from engine.kv_pool import layer_shape
@@ -46,7 +50,8 @@ def measure(backend, rows: int, calls: int) -> tuple[list[float], list[float]]:
     hidden = backend.run_tokens(ids, positions, slots, seq_rows, tables)
     forward = timings(lambda: backend.run_tokens(ids, positions, slots, seq_rows, tables), calls)
     logits = timings(lambda: backend.compute_logits(hidden), calls)
-    return forward, logits
+    step = timings(lambda: backend.compute_logits(backend.run_tokens(ids, positions, slots, seq_rows, tables)), calls)
+    return forward, logits, step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m bench step: this model runs on the eager path", file=sys.stderr)
         return 2
     print(f"{cpu_name()}; {args.model or 'the default model'}, precision {args.precision}, {args.calls} calls each")
-    print("variant   rows  forward min / p50 ms   logits min / p50 ms")
+    print("variant   rows  forward min / p50 ms   logits min / p50 ms   step min / p50 ms")
     for variant in args.variants.split(","):
         try:
             use_isa(ops, variant)
             for m in rows:
-                forward, logits = measure(backend, m, args.calls)
-                print(f"{variant:8s} {m:5d}  {min(forward) * 1e3:8.2f} / {statistics.median(forward) * 1e3:6.2f}"
-                      f"      {min(logits) * 1e3:7.2f} / {statistics.median(logits) * 1e3:6.2f}")
+                columns = measure(backend, m, args.calls)
+                print(f"{variant:8s} {m:5d}" + "".join(
+                    f"  {min(c) * 1e3:10.2f} / {statistics.median(c) * 1e3:6.2f}" for c in columns))  # fmt: skip
         finally:
             use_isa(ops, "best")
     return 0
