@@ -229,13 +229,14 @@ class LLMEngine:
         """Time a few decode-like steps of 1 and of 1 + k rows (with their logits), so that "auto" speculation
         starts from this machine's costs. Only the first few blocks are written, and nothing holds them yet."""
         block_size = self.config.block_size
-        # 4 blocks, or as many as 1 + k rows need (blocks of 1 or 2 tokens); a pool holding fewer caps the rows,
-        # as it caps every verification (max_model_len)
+        # 4 blocks, or as many as 1 + k rows need (blocks of 1 or 2 tokens); the rows stay inside the context
+        # (the native step has no position past max_model_len) and the pool, which cap every verification too
         num_blocks = min(self.config.num_kv_blocks, max(4, -(-(self.config.speculative_k + 1) // block_size)))
-        width = min(self.config.speculative_k + 1, num_blocks * block_size)
+        num_positions = min(num_blocks * block_size, 48, self.max_model_len)
+        width = min(self.config.speculative_k + 1, num_positions)
         row = SamplingRow(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0, None, None, 0, [], [])
         blocks = list(range(num_blocks))
-        start = max(0, min(num_blocks * block_size, 48) - width)
+        start = num_positions - width
         for num_rows in (1, width) * 3:
             chunk = SeqChunk(-1, [0] * num_rows, start, blocks, row, verify_rows=[row] * num_rows)
             begin = time.perf_counter()

@@ -434,6 +434,21 @@ def test_precision_is_checked_and_int8_greedy_output_is_batch_invariant(grid_lla
         assert other == alone
 
 
+@pytest.mark.parametrize("max_model_len, k", [(17, 16), (2, 8)])
+def test_auto_speculation_starts_on_a_short_context(grid_llama_dir: Path, max_model_len: int, k: int) -> None:
+    """The load-time probe of "auto" speculation feeds 1 + k rows near position 48: past a shorter max_model_len the
+    native step has no position for them ("position out of range" at load)."""
+    def make(speculative: str) -> LLM:
+        return LLM(str(grid_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=max_model_len,
+                   speculative=speculative, speculative_k=k)  # fmt: skip
+
+    auto = make("auto")
+    assert auto.engine.runner.backend.name == "native"
+    params = SamplingParams(max_tokens=max_model_len - 1, temperature=0, ignore_eos=True)
+    assert auto.generate([[7]], params, use_tqdm=False)[0].token_ids == make("off").generate(
+        [[7]], params, use_tqdm=False)[0].token_ids  # fmt: skip
+
+
 def test_quantisers_reproduce_a_grid_exactly() -> None:
     w = torch.randn(48, 96)
     on_q4, on_q8 = dequantize_q4(w), dequantize_q8(w)
