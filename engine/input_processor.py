@@ -8,6 +8,7 @@ anyone tokenizes them.
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -183,6 +184,9 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         params.check()
+        # A snapshot: the caller's object may be changed, or reused for its next request, while this one runs (the
+        # sequences and the detokenizer's stop strings read these; a NaN set later failed every request of a step).
+        params = copy.deepcopy(params)
         if not prompt:
             raise InvalidRequest(f"{param} must not be empty (this model's tokenizer adds no start token to begin from)",
                                  param=param)  # fmt: skip

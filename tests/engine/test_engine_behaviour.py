@@ -386,6 +386,21 @@ def test_params_changed_after_construction_are_checked_when_added(llm):
     assert len(llm.generate(["Hello"], good, use_tqdm=False)[0].token_ids) == 4
 
 
+
+def test_params_changed_while_their_request_runs_do_not_reach_it(llm):
+    """A request keeps the parameters it was added with: the caller's object may be changed, or reused for the next
+    request, meanwhile (a NaN temperature set then failed the whole step, every request in it)."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=["zzz"])
+    expected = llm.generate(["Hello world"], params, use_tqdm=False)[0].token_ids
+    stream = llm.stream("Hello world", params)
+    tokens = list(next(stream).new_token_ids)
+    params.max_tokens, params.temperature = 2, float("nan")
+    params.stop.append(llm.tokenizer.decode(expected[2:4]))
+    for delta in stream:
+        tokens += delta.new_token_ids
+    assert tokens == expected
+    assert_pool_full(llm)
+
 @pytest.mark.parametrize(
     "setting, message",
     [
