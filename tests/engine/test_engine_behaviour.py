@@ -386,7 +386,6 @@ def test_params_changed_after_construction_are_checked_when_added(llm):
     assert len(llm.generate(["Hello"], good, use_tqdm=False)[0].token_ids) == 4
 
 
-
 def test_params_changed_while_their_request_runs_do_not_reach_it(llm):
     """A request keeps the parameters it was added with: the caller's object may be changed, or reused for the next
     request, meanwhile (a NaN temperature set then failed the whole step, every request in it)."""
@@ -400,6 +399,7 @@ def test_params_changed_while_their_request_runs_do_not_reach_it(llm):
         tokens += delta.new_token_ids
     assert tokens == expected
     assert_pool_full(llm)
+
 
 @pytest.mark.parametrize(
     "setting, message",
