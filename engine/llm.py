@@ -133,13 +133,18 @@ class LLM:
         when the engine has nothing left to run."""
         with self._lock:
             while not inbox and self.engine.has_unfinished_requests:
-                for delta in self.engine.step():
-                    target = self._inboxes.get(delta.request_id)
-                    if target is not None:  # None: a request added through self.engine, not by this LLM
-                        target.append(delta)
+                # a failed forward pass raises here, its requests' error deltas delivered first: another call's
+                # stream ends with its error, not silently
+                self._deliver(self.engine.step(on_failed=self._deliver))
             deltas = inbox[:]
             inbox.clear()
             return deltas
+
+    def _deliver(self, deltas: list[RequestOutput]) -> None:
+        for delta in deltas:
+            target = self._inboxes.get(delta.request_id)
+            if target is not None:  # None: a request added through self.engine, not by this LLM
+                target.append(delta)
 
     def _abort(self, request_id: str) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.batch import PromptScoring, SampledToken, SamplingRow, SeqChunk, StepBatch, StepOutput
@@ -124,14 +125,18 @@ class LLMEngine:
     def is_step_running(self) -> bool:
         return self._plan is not None
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_failed: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """One step. A forward pass that raises fails its requests and the error is raised here; their final deltas
+        go to on_failed first (a caller stepping for others hands them on)."""
         plan = self.schedule_step()
         if plan is None:
             return []
         try:
             output = self.execute(plan)
         except Exception as error:
-            self.fail_step(plan, error)
+            failed = self.fail_step(plan, error)
+            if on_failed is not None:
+                on_failed(failed)
             raise
         except BaseException:  # KeyboardInterrupt in the caller's thread: the step's tokens are lost
             self.interrupt_step(plan)

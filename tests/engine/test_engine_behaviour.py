@@ -84,6 +84,30 @@ def test_forward_failure_ends_the_step_requests_with_error_and_frees_blocks(llm,
     assert len(out.token_ids) == 3
 
 
+def test_a_failed_forward_pass_ends_another_calls_stream_with_its_error(llm, monkeypatch):
+    """A forward pass that raises while generate() steps the engine: generate raises, and a stream opened by another
+    call whose request was in that step ends with an error delta (it ended silently, as if cut short)."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    stream = llm.stream([5, 6, 7], params)
+    assert not next(stream).finished
+    run = llm.engine.runner.run
+    calls = []
+
+    def fail_once(batch):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return run(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_once)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[8, 9, 10]], params, use_tqdm=False)
+    rest = list(stream)
+    assert [d.finish_reason for d in rest] == ["error"] and rest[0].error
+    assert len(llm.generate(["still serving"], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
+    assert_pool_full(llm)
+
+
 def test_an_output_failure_fails_that_request_alone(llm, monkeypatch):
     engine = llm.engine
     engine.add_request("bad", "Hello world", SamplingParams(max_tokens=6, ignore_eos=True))
