@@ -112,9 +112,10 @@ def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | N
         else:
             start_local_ray()
             started_ray = True
-    logger.info("Ray is up: starting Serve and %d replicas", cluster.replicas)
     if on_ray_started is not None:
         on_ray_started()
+    # said once the server's signal handlers are back in front of ray.init's: a SIGTERM from here on drains
+    logger.info("Ray is up: starting Serve and %d replicas", cluster.replicas)
     num_cpus = int(ray.available_resources().get("CPU", 1)) if cluster.ray_address else (os.cpu_count() or 1)
     engine_config = replica_config(config, num_cpus)
     serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False, "log_level": "WARNING"})
