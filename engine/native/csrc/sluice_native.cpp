@@ -427,15 +427,20 @@ struct QuantizedRows {
   }
 };
 
-// int8 activation values as the variant's byte kernels multiply them, made once a call (see int8_bytes); empty for
-// int16 activations.
+// int8 activation values as the variant's byte kernels multiply them, made once a call, a row per task (see
+// int8_bytes); empty for int16 activations.
 struct ByteRows {
   Scratch<unsigned char> bytes;
   Scratch<int> offset16;
 
-  ByteRows(const QuantizedRows& rows, bool is_int8)
-      : bytes(is_int8 ? rows.xq.size() : 0), offset16(bytes.size() / 16) {
-    if (is_int8) kernels().int8_bytes(rows.xq.data(), (long)bytes.size(), bytes.data(), offset16.data());
+  ByteRows(const QuantizedRows& rows, int M, int K, bool is_int8)
+      : bytes(is_int8 ? (size_t)M * K : 0), offset16(bytes.size() / 16) {
+    if (!is_int8) return;
+    const Kernels& kern = kernels();
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++)
+        kern.int8_bytes(rows.xq.data() + r * K, K, bytes.data() + r * K, offset16.data() + r * (K / 16));
+    });
   }
 };
 
@@ -522,7 +527,7 @@ struct Q8Linear {
   void run(const float* x, long ldx, int M, float* y, long ldy, bool is_int8) const {
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    const ByteRows xb(rows, is_int8);
+    const ByteRows xb(rows, M, K, is_int8);
     const signed char* q = t[0].data_ptr<signed char>();
     const float* s = t[1].data_ptr<float>();
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
@@ -628,7 +633,7 @@ struct Q8Matrix {
     const int tiles = (N + 15) / 16;
     const Kernels& kern = kernels();
     const QuantizedRows rows(x, ldx, M, K, is_int8, false);
-    const ByteRows xb(rows, is_int8);
+    const ByteRows xb(rows, M, K, is_int8);
     const signed char* q = qs.data_ptr<signed char>();
     const unsigned short* s = half_bits(scale);
     const int k = K, n = N;
