@@ -2,8 +2,9 @@
 checkpoint's stored tensors (one at a time; no model object, no float copy of the model), then one C++ call for
 all layers of a step and one for the logits, each releasing the GIL for its whole run.
 
-Each linear is packed on the file's own grid: the layers' Q4_0 / Q4_1 / Q4_K in the Q4 layout, their Q6_K in the
-Q6 layout, their Q5_x / Q8_0 in the Q8 layer layout (a fused q/k/v of several types runs each part in its own), a
+Each linear is packed on the file's own grid: the layers' Q4_0 / Q4_1 / Q4_K in the Q4 layout, their Q5_0 / Q5_1 /
+Q5_K in the Q5 layout (the Q4 layout and the fifth bits: as few bytes as the file's), their Q6_K in the Q6 layout,
+their Q8_0 in the Q8 layer layout (a fused q/k/v of several types runs each part in its own), a
 Q8_0 / Q4_0 / Q5_0 embedding and head in the Q8 layout. Float tensors and types without a grid here are quantised onto Q4_1 / Q8_0 (the head's K-quants
 too: its Q8 layout has one float16 scale per 32), and `plan` says so per tensor (the loader logs it).
 The layers' Q4_0 / Q4_1 / Q4_K and Q6_K and a Q8_0 embedding and head are packed in C++ straight from the file's
@@ -56,7 +57,8 @@ from engine.step_backend import StepHidden
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 HEAD_DIMS = (16, 32, 64, 128, 256)
 UNIT_OFFSET_NORMS = ("gemma3_text",)  # norms scale by 1 + w (the stored w is Hugging Face's)
-Q4_EXACT = ("Q4_0", "Q4_1", "Q4_K")  # the layers' Q4 layout holds these grids bit for bit
+Q5_EXACT = ("Q5_0", "Q5_1", "Q5_K")  # the Q4 layout with the fifth bits of q (the Q5 layout)
+Q4_EXACT = ("Q4_0", "Q4_1", "Q4_K", *Q5_EXACT)  # the layers' Q4 / Q5 layout holds these grids bit for bit
 Q8_EXACT = ("Q8_0", "Q4_0", "Q5_0")  # symmetric per-32 grids: q - offset fits int8, the scale float16
 
 
@@ -113,10 +115,10 @@ def _q4_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q4Packed]:
         if exact:
             grid = grid_of(chunk)
             q, scale, minv = (torch.from_numpy(a) for a in (grid.q, grid.scale, grid.minv))
-            yield pack_q4_grid(q, scale, minv, None, grid.factors)
+            yield pack_q4_grid(q, scale, minv, None, grid.factors, tensor.type_name in Q5_EXACT)
         else:
             yield pack_q4(chunk.to_float(), None)
-    plan.note(tensor.type_name, "Q4", exact)
+    plan.note(tensor.type_name, "Q5" if tensor.type_name in Q5_EXACT else "Q4", exact)
 
 
 def _q6_pieces(tensor: StoredTensor, plan: PackPlan) -> Iterator[Q6Packed]:
@@ -207,7 +209,9 @@ def _can_join(a: Q4Packed | Q8LayerPacked | Q6Packed, b: Q4Packed | Q8LayerPacke
         return False
     if isinstance(a, Q8LayerPacked):
         return a.scale_group == b.scale_group  # type: ignore[union-attr]
-    return not isinstance(a, Q4Packed) or a.scale.dtype == b.scale.dtype  # type: ignore[union-attr]
+    if isinstance(a, Q4Packed):
+        return a.scale.dtype == b.scale.dtype and a.has_fifth_bits == b.has_fifth_bits  # type: ignore[union-attr]
+    return True
 
 
 def _linear(ops: ModuleType, parts: list[StoredTensor], bias: list[StoredTensor] | None, plan: PackPlan) -> LinearSpec:

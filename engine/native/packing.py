@@ -34,15 +34,21 @@ class Q4Packed:
     n: int
     scale_d: torch.Tensor = field(default_factory=lambda: _EMPTY)
     minv_d: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    # int32 [N/16 * K/32 * 16]: the Q5 layout's fifth bit of each q (see _fifth_words), or empty (the Q4 layout)
+    qh: torch.Tensor = field(default_factory=lambda: _EMPTY)
     layout = "q4"
 
+    @property
+    def has_fifth_bits(self) -> bool:
+        return self.qh.numel() > 0
+
     def tensors(self) -> list[torch.Tensor]:
-        return [self.qs, self.scale, self.minv, self.bias, self.scale_d, self.minv_d]
+        return [self.qs, self.scale, self.minv, self.bias, self.scale_d, self.minv_d, self.qh]
 
 
 @dataclass
 class Q8LayerPacked:
-    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 5 to 8 bits."""
+    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 6 to 8 bits."""
 
     qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2], as Q8Packed's
     scale: torch.Tensor  # float32 [N/16 * K/32 * 16]: one per 32 weights along K, or [N/16 * K/16 * 16] (Q6_K's 16)
@@ -162,6 +168,19 @@ def _nibble_words(q: torch.Tensor) -> torch.Tensor:
     return octets
 
 
+# the column of a group of 32 whose fifth bit is bit b of its word: b = 2o + j + 8k + 16e holds 8o + 4k + 2j + e
+_FIFTH_BIT_COLUMNS = [8 * ((b & 7) >> 1) + 4 * ((b >> 3) & 1) + 2 * (b & 1) + (b >> 4) for b in range(32)]
+
+
+def _fifth_words(q: torch.Tensor) -> torch.Tensor:
+    """q [Np, K] in 0..31 -> the Q5 layout's fifth bits, int32 [Np/16 * K/32 * 16]: per group of 32 a word per row
+    whose bit 2o + j + 8k + 16e is bit 4 of column 8o + 4k + 2j + e (csrc/kernels.inc, FifthBits)."""
+    padded, k = q.shape
+    fifth = (q.to(torch.uint8).numpy().reshape(padded, k // GROUP, GROUP)[..., _FIFTH_BIT_COLUMNS] >> 4) & 1
+    words = np.packbits(fifth, axis=-1, bitorder="little").view("<u4")[..., 0]  # [Np, K/32]
+    return _tiles(torch.from_numpy(words.view(np.int32)))
+
+
 def _factor_tiles(values: np.ndarray, padded: int, dtype: torch.dtype) -> torch.Tensor:
     return _tiles(_pad_rows(torch.from_numpy(np.ascontiguousarray(values)).to(dtype), padded))
 
@@ -172,23 +191,27 @@ def pack_q4_grid(
     minv: torch.Tensor,
     bias: torch.Tensor | None,
     factors: SuperBlockFactors | None = None,
+    has_fifth_bits: bool = False,
 ) -> Q4Packed:
-    """q [N, K] in 0..15 (any integer dtype), scale / minv [N, K/32]: kept in float16 when float16 holds every
-    one of them (Q4_0, Q4_1: half the bytes to read), else as a K-quant's factors when given (Q4_K: 1.5 bytes a
-    group), else in float32."""
+    """q [N, K] in 0..15 (any integer dtype), or 0..31 with has_fifth_bits (Q5_0, Q5_1, Q5_K: the Q5 layout),
+    scale / minv [N, K/32]: kept in float16 when float16 holds every one of them (Q4_0, Q4_1, Q5_0, Q5_1: half the
+    bytes to read), else as a K-quant's factors when given (Q4_K, Q5_K: 1.5 bytes a group), else in float32."""
     n, k = q.shape
     padded = -(-n // TILE) * TILE
     b = _EMPTY if bias is None else bias.float().contiguous()
-    octets = _nibble_words(_pad_rows(q, padded))
+    q = _pad_rows(q, padded)
+    assert has_fifth_bits or not bool((q > 15).any()), "q beyond 4 bits needs the Q5 layout"
+    qh = _fifth_words(q) if has_fifth_bits else _EMPTY
+    octets = _nibble_words(q & 15 if has_fifth_bits else q)
     if factors is not None and not can_pack_q4_exactly(scale, minv):
         assert factors.m is not None and factors.neg_dmin is not None and k % 256 == 0
         return Q4Packed(
             octets, _factor_tiles(factors.sc, padded, torch.uint8), _factor_tiles(factors.m, padded, torch.uint8), b, n,
-            _factor_tiles(factors.d, padded, torch.float32), _factor_tiles(factors.neg_dmin, padded, torch.float32),
+            _factor_tiles(factors.d, padded, torch.float32), _factor_tiles(factors.neg_dmin, padded, torch.float32), qh,
         )  # fmt: skip
     scale_dtype = torch.float16 if can_pack_q4_exactly(scale, minv) else torch.float32
     scale, minv = _pad_rows(scale.float(), padded), _pad_rows(minv.float(), padded)
-    return Q4Packed(octets, _tiles(scale.to(scale_dtype)), _tiles(minv.to(scale_dtype)), b, n)
+    return Q4Packed(octets, _tiles(scale.to(scale_dtype)), _tiles(minv.to(scale_dtype)), b, n, qh=qh)
 
 
 # The Q6 layout's high-bit bytes: bit pair j of byte b holds the high bits of column QUADS[j][b] of the two octets

@@ -116,6 +116,24 @@ def test_q5_files_load_and_run(tmp_path: Path) -> None:
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == GREEDY.max_tokens
 
 
+@pytest.mark.skipif(native_ops() is None, reason="the native step is not built (make install builds it)")
+def test_q5_layers_run_natively_in_the_q5_layout_on_the_files_values(tmp_path: Path, caplog) -> None:
+    types = {"layers": "Q5_K", "attn_q": "Q5_0", "attn_k": "Q5_1", "ffn_down": "Q5_0", "token_embd": "Q8_0"}
+    path = write_llama_gguf(tmp_path / "q5.gguf", types, tied=True, seed=2)
+    with caplog.at_level(logging.INFO, logger="engine.loader"):
+        llm = LLM(str(path), block_size=4, num_kv_blocks=128, max_num_seqs=4, precision="exact")
+    assert llm.engine.runner.backend.name == "native"
+    for type_name in ("Q5_0", "Q5_1", "Q5_K"):
+        assert f"{type_name} tensors run on their own grid (Q5 layout)" in caplog.text
+    prompts = [[5, 17, 300, 42], list(range(200, 230)), [7] * 9]
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    assert alone == [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    reference = LLM(str(path), dtype="float32", quantize="none", block_size=4, num_kv_blocks=64)
+    with torch.inference_mode():
+        ours, expected = full_logits(llm, prompts[1]), full_logits(reference, prompts[1])
+    assert (ours - expected).abs().max() < 2e-2 * expected.abs().max()
+
+
 def llama3_rope_factors(head_dim: int, base: float, factor: float, low: float, high: float, old_len: int) -> np.ndarray:
     """What llama.cpp's converter writes as rope_freqs.weight for a Llama 3.1+ rope_scaling (one per rotary pair)."""
     inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)

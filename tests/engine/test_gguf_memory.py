@@ -18,8 +18,8 @@ from engine.native import native_ops
 # the extra bytes of the packed layouts over the file's blocks (Q4_K in the Q4 layout with float32 scales: +33%;
 # a Q6_K head re-quantised onto Q8: +30%), one row chunk of a tensor unpacked or dequantised (1024 rows), one
 # fused linear's packed pieces before they are joined. Measured on this file: +505 MiB peak over the libraries
-# (+526 MiB when Q4_K was re-quantised onto Q4_1). Layers of 5- to 8-bit grids take more (the Q8 layer layout: 11 bits a
-# weight against Q5_0's 5.5 and Q6_K's 6.6): the README states it; this file has none.
+# (+526 MiB when Q4_K was re-quantised onto Q4_1). Layers of 8-bit grids take a little more (the Q8 layer layout: 9 bits
+# a weight against Q8_0's 8.5): the README states it; this file has none.
 LOAD_OVERHEAD_BYTES = 256 << 20
 
 MEASURE = """

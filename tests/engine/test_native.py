@@ -210,6 +210,42 @@ def test_q4_k_weights_run_on_their_own_grid_in_both_precisions(isa: str) -> None
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_q5_layout_runs_q5_grids_on_their_own_values_in_both_precisions(isa: str) -> None:
+    """Q5_0, Q5_1, Q5_K in the Q5 layout (the Q4 layout's nibbles plus a word of fifth bits per 32, as few bytes as
+    the file's): the kernel multiplies the file's own weights, rows independent, at the largest sums a group can
+    make (q = 31 against activations all at the int8 maximum: pmaddubsw's int16 sums overflow without their
+    halfway widening)."""
+    rng = np.random.default_rng(9)
+    gen = torch.Generator().manual_seed(9)
+    with on_isa(isa):
+        for type_name in ("Q5_0", "Q5_1", "Q5_K"):
+            n, k = 48, 512
+            grid = random_grid(rng, type_name, n, k)
+            q = torch.from_numpy(grid.q).clone()
+            q[:16] = 31  # a whole tile at the top of the grid
+            scale, minv = torch.from_numpy(grid.scale), torch.from_numpy(grid.minv)
+            bias = torch.randn(n, generator=gen)
+            packed = pack_q4_grid(q, scale, minv, bias, grid.factors, has_fifth_bits=True)
+            assert packed.has_fifth_bits
+            q8l = pack_q8_layer_grid(q, scale, minv, bias)
+            assert num_weight_bytes(packed) < 0.7 * num_weight_bytes(q8l)
+            w = (q.view(n, -1, 32).double() * scale[..., None].double() + minv[..., None].double()).view(n, k)
+            for m in (1, 2, 5, 8, 9, 33):
+                x = torch.randn(m, k, generator=gen)
+                x[0] = 1.0  # every activation at its group's maximum: xq = 127 (int8) or 32767 (int16)
+                for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
+                    y = ops.linear(x, linear_spec(packed), n, is_int8=is_int8)
+                    expected = q4_grid_reference(x, q, scale, minv, qmax) + bias.double()
+                    torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-5)
+                    alone = [ops.linear(x[i : i + 1], linear_spec(packed), n,
+                                        is_int8=is_int8) for i in range(m)]  # fmt: skip
+                    assert torch.equal(torch.cat(alone), y)
+                exact = x.double() @ w.T + bias.double()  # the file's weights, within int16 rounding
+                y = ops.linear(x, linear_spec(packed), n)
+                assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max(), type_name
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_q8_layer_layout_runs_every_grid_type_on_its_own_values(isa: str) -> None:
     """Q5_0, Q5_1, Q5_K, Q6_K (scales per 16), Q8_0, and a 4-bit grid: packed as the file holds them, the kernel
     multiplies the file's own weights in both precisions, with and without a bias, rows independent."""
@@ -325,12 +361,17 @@ def test_q6_and_super_block_layouts_give_the_same_bits_on_every_simd_variant() -
     q = torch.from_numpy(g4.q)
     q4 = pack_q4_grid(q, torch.from_numpy(g4.scale), torch.from_numpy(g4.minv), None, g4.factors)
     q6 = pack_q6_grid(torch.from_numpy(g6.q), g6.factors, None)
+    q5s = []
+    for type_name in ("Q5_0", "Q5_K"):
+        g5 = random_grid(rng, type_name, 64, 512)
+        scale, minv = torch.from_numpy(g5.scale), torch.from_numpy(g5.minv)
+        q5s.append(pack_q4_grid(torch.from_numpy(g5.q), scale, minv, None, g5.factors, has_fifth_bits=True))
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(8))
     results = []
     for isa in isas:
         with on_isa(isa):
             # 1 and 2 rows: one pass over a tile's whole lines on 8 lanes; 13: its 8-row halves, then 5
-            results.append([y for p in (q4, q6) for m in (1, 2, 13) for y in both_precisions(x[:m], linear_spec(p), 64)])
+            results.append([y for p in (q4, q6, *q5s) for m in (1, 2, 13) for y in both_precisions(x[:m], linear_spec(p), 64)])
     assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
 
 

@@ -3,8 +3,9 @@
 // scale, GeGLU instead of SwiGLU, final logit soft-cap) and per layer (q/k norms per head, post-attention and
 // post-MLP norms, the layer's own rope tables, a sliding window): Qwen 3 and Gemma 3 beside Llama.
 //
-// Weights: the layers' linears on the GGUF file's own grids (the Q4 layout for Q4_0 / Q4_1 / Q4_K, the Q6 layout for
-// Q6_K, the Q8 layer layout for the other grids; a linear's parts may differ), Q8_0 (int8, per 32-group scale) for
+// Weights: the layers' linears on the GGUF file's own grids (the Q4 layout for Q4_0 / Q4_1 / Q4_K, with fifth bits for
+// Q5_0 / Q5_1 / Q5_K, the Q6 layout for Q6_K, the Q8 layer layout for Q8_0; a linear's parts may differ), Q8_0 (int8,
+// per 32-group scale) for
 // the token embedding and lm_head.
 // Activations are float32; the KV cache is the runner's (bf16 or float32, [blocks][KVH][block_size][D]),
 // written and read in place through block tables. Kernels are compiled four times (AVX-512, AVX2+FMA with AVX-VNNI,
@@ -456,17 +457,19 @@ void check_tensor(const at::Tensor& t, at::ScalarType type, int64_t n, const cha
   TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n, what, ": wrong dtype or size");
 }
 
-// A linear in the Q4 layout of kernels.inc, [qs, scale, minv, bias, scale_d, minv_d]: scale / minv float16 (Q4_0,
-// Q4_1), float32, or uint8 integers times float32 per super-block (Q4_K's own: scale_d / minv_d, else empty).
+// A linear in the Q4 layout of kernels.inc, [qs, scale, minv, bias, scale_d, minv_d, qh]: scale / minv float16 (Q4_0,
+// Q4_1), float32, or uint8 integers times float32 per super-block (Q4_K's own: scale_d / minv_d, else empty); with
+// qh (else empty), the Q5 layout: the fifth bit of each q (Q5_0, Q5_1, Q5_K).
 struct Q4Linear {
   std::vector<at::Tensor> t;
   int K = 0, N = 0;
   Q4ScaleArgs scales{};
+  const unsigned* qh = nullptr;
   const float* bias_data = nullptr;  // checked once, here
 
   Q4Linear() = default;
   Q4Linear(const std::vector<at::Tensor>& t_, int K_, int N_) : t(t_), K(K_), N(N_) {
-    TORCH_CHECK(t.size() == 6, "a Q4 linear is [qs, scale, minv, bias, scale_d, minv_d]");
+    TORCH_CHECK(t.size() == 7, "a Q4 linear is [qs, scale, minv, bias, scale_d, minv_d, qh]");
     const int64_t tiles = (N + 15) / 16, groups = tiles * (K / 32) * 16;
     TORCH_CHECK(K % 32 == 0 && K > 0, "Q4 linear: K must be a positive multiple of 32");
     check_tensor(t[0], at::kByte, tiles * K * 8, "Q4 linear: qs");
@@ -484,6 +487,10 @@ struct Q4Linear {
       scales.minv_d = t[5].data_ptr<float>();
     }
     bias_data = optional_f32(t[3], N, "Q4 linear: bias");
+    if (t[6].defined() && t[6].numel()) {
+      check_tensor(t[6], at::kInt, groups, "Q4 linear: qh");
+      qh = (const unsigned*)t[6].data_ptr<int>();
+    }
   }
 
   // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) W^T + b; each row of x quantised once, to int16 steps
@@ -494,10 +501,10 @@ struct Q4Linear {
     const unsigned char* q = t[0].data_ptr<unsigned char>();
     at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
       if (is_int8)
-        kern.q4_gemm_i8(q, scales, K, N, bias_data, rows.xq.data(), rows.x8.data(), rows.sx.data(), rows.xsum.data(),
+        kern.q4_gemm_i8(q, qh, scales, K, N, bias_data, rows.xq.data(), rows.x8.data(), rows.sx.data(), rows.xsum.data(),
                         M, y, ldy, (int)t0, (int)t1);
       else
-        kern.q4_gemm(q, scales, K, N, bias_data, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy, (int)t0,
+        kern.q4_gemm(q, qh, scales, K, N, bias_data, rows.xq.data(), rows.sx.data(), rows.xsum.data(), M, y, ldy, (int)t0,
                      (int)t1);
     });
   }
