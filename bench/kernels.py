@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 DEFAULT_ROWS = (1, 8, 32, 128, 512)
-INT8_KINDS = ("q4i8", "q4k", "q6", "q8li8", "q8i8")  # the kinds measured with int8 activations
+INT8_KINDS = ("q4i8", "q4k", "q5", "q5k", "q6", "q8li8", "q8i8")  # the kinds measured with int8 activations
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 576, 1536, 9, 3, 64, 49152  # SmolLM2-135M
 
 
@@ -48,7 +48,8 @@ class Shape:
     n: int
     # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8"), "q4f" (the Q4 layout with float32
     # scales), "q8l" (the Q8 layer layout: Q5_x / Q8_0 layers) or "q8li8" (the same, int8), "q4k" (Q4_K's super-block
-    # scales, int8), "q6" (Q6_K, int8), "q8" (the lm_head) or "q8i8" (the lm_head in precision "int8")
+    # scales, int8), "q5" / "q5k" (Q5_0 / Q5_K in the Q5 layout, int8), "q6" (Q6_K, int8), "q8" (the lm_head) or
+    # "q8i8" (the lm_head in precision "int8")
     kind: str
 
 
@@ -120,11 +121,14 @@ def measure_peaks(ops, quick: bool) -> Peaks:
     return Peaks(madds(False), madds(True), data.numel() * 4 / seconds)
 
 
+K_QUANT_TYPES = {"q4k": "Q4_K", "q5": "Q5_0", "q5k": "Q5_K", "q6": "Q6_K"}  # kinds packed from a file type's blocks
+
+
 def packed_layer(kind: str, w: torch.Tensor):
     """w [N, K] in the layer layout `kind` measures; float32 scales for "q4f" (scales float16 cannot hold)."""
     from engine.native.packing import pack_q4, pack_q4_grid, pack_q6_grid, pack_q8_layer_grid, q4_grid, q8_grid
 
-    if kind in ("q4k", "q6"):  # random blocks of the K-quant (the speed does not depend on the values)
+    if kind in K_QUANT_TYPES:  # random blocks of the file type (the speed does not depend on the values)
         import numpy as np
 
         from bench.synthetic_gguf import random_blocks
@@ -132,12 +136,13 @@ def packed_layer(kind: str, w: torch.Tensor):
         from engine.checkpoint.stored_tensor import StoredTensor
 
         n, k = w.shape
-        type_name = "Q4_K" if kind == "q4k" else "Q6_K"
+        type_name = K_QUANT_TYPES[kind]
         grid = grid_of(StoredTensor((n, k), type_name, lambda: random_blocks(np.random.default_rng(0), type_name, n, k)))
         q = torch.from_numpy(grid.q)
         if kind == "q6":
             return pack_q6_grid(q, grid.factors, None)
-        return pack_q4_grid(q, torch.from_numpy(grid.scale), torch.from_numpy(grid.minv), None, grid.factors)
+        scale, minv = torch.from_numpy(grid.scale), torch.from_numpy(grid.minv)
+        return pack_q4_grid(q, scale, minv, None, grid.factors, has_fifth_bits=kind in ("q5", "q5k"))
     if kind == "q4f":
         q, scale, minv = q4_grid(w)
         return pack_q4_grid(q, scale * (1 + 2.0**-15), minv, None)
@@ -243,13 +248,14 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
         peaks = measure_peaks(ops, opts.quick)
         if opts.quick:
             shapes = [Shape("small", 64, 96, kind) for kind in ("q4", "q4i8", "q4f", "q8l", "q8li8", "q8", "q8i8")]
-            shapes += [Shape("small", 256, 96, kind) for kind in ("q4k", "q6")]  # K-quants: K in super-blocks of 256
+            shapes += [Shape("small", 256, 96, kind) for kind in K_QUANT_TYPES]  # K-quants: K in super-blocks of 256
         else:
             shapes = [Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4"), Shape("down", INTERMEDIATE, HIDDEN, "q4"),
                       Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q4i8"), Shape("down", INTERMEDIATE, HIDDEN, "q4i8"),
                       Shape("down", INTERMEDIATE, HIDDEN, "q4f"), Shape("down", INTERMEDIATE, HIDDEN, "q8l"),
                       Shape("down", INTERMEDIATE, HIDDEN, "q8li8"), Shape("down", INTERMEDIATE, HIDDEN, "q4k"),
-                      Shape("down", INTERMEDIATE, HIDDEN, "q6"),
+                      Shape("down", INTERMEDIATE, HIDDEN, "q6"), Shape("gate_up", HIDDEN, 2 * INTERMEDIATE, "q5"),
+                      Shape("down", INTERMEDIATE, HIDDEN, "q5"), Shape("down", INTERMEDIATE, HIDDEN, "q5k"),
                       Shape("lm_head", HIDDEN, VOCAB, "q8"), Shape("lm_head", HIDDEN, VOCAB, "q8i8")]  # fmt: skip
         results = []
         for shape in shapes:

@@ -25,7 +25,7 @@ def test_the_kernel_benchmark_reports_every_variant_and_row_count(tmp_path: Path
         assert f"{variant}: register-only multiply-add peak" in printed
         assert figures["madd_peak"] > 0 and figures["madd_peak_int8"] > 0 and figures["read_bandwidth"] > 0
         measured = {(r["what"].split()[0], r["rows"]) for r in figures["results"]}
-        gemms = {(kind, m) for kind in ("q4", "q4i8", "q4f", "q8l", "q8li8", "q4k", "q6", "q8", "q8i8") for m in (1, 8)}
+        gemms = {(kind, m) for kind in ("q4", "q4i8", "q4f", "q8l", "q8li8", "q4k", "q5", "q5k", "q6", "q8", "q8i8") for m in (1, 8)}
         assert gemms | {("decode", 1), ("decode", 8), ("prefill", 32)} <= measured
         prefills = [r["what"] for r in figures["results"] if r["what"].startswith("prefill")]
         assert prefills == ["prefill chunk 32 tok, 1 layer, exact", "prefill chunk 32 tok, 1 layer, int8",
