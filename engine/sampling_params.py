@@ -10,6 +10,7 @@ brings are bounded, because the engine loop checks them on every generated token
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
@@ -35,6 +36,22 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _builtin(value: object) -> object:
+    """numpy's integer and float scalars as Python's int and float (a seed drawn with np.random, a max_tokens computed
+    with numpy), as token ids are taken; bools (numpy's too) and anything else as they are, for the checks to judge."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):  # numpy's bool_ is no Integral
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+_NUMBER_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "n")  # fmt: skip
 
 
 def _require(condition: bool, param: str, message: str) -> None:
@@ -78,6 +95,8 @@ class SamplingParams:
     def check(self) -> None:
         """InvalidRequest naming the first field the engine cannot honour; normalises stop, stop_token_ids and
         logit_bias. Run again when a request is added: the fields may have been changed since."""
+        for name in _NUMBER_FIELDS:
+            setattr(self, name, _builtin(getattr(self, name)))
         max_tokens, min_tokens = self.max_tokens, self.min_tokens
         _require(max_tokens is None or (_is_int(max_tokens) and max_tokens >= 1), "max_tokens",
                  f"max_tokens must be an integer >= 1, got {max_tokens!r}")  # fmt: skip
@@ -123,7 +142,8 @@ class SamplingParams:
         checked: dict[int, float] = {}
         for key, value in bias.items():
             is_id_text = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20  # int(): 4,300 digits
-            token_id = int(key) if is_id_text else key
+            token_id = int(key) if is_id_text else _builtin(key)
+            value = _builtin(value)
             _require(_is_int(token_id) and token_id >= 0, "logit_bias",
                      f"logit_bias keys must be token ids (non-negative integers), got {repr(key)[:40]}")  # fmt: skip
             _require(_is_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS, "logit_bias",
@@ -156,6 +176,8 @@ class SamplingParams:
         _require(all(s for s in stop), "stop", "stop strings must not be empty")
         _require(all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), "stop",
                  f"each stop string must have at most {MAX_STOP_STRING_CHARS} characters")  # fmt: skip
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = [_builtin(t) for t in self.stop_token_ids]
         ids = self.stop_token_ids
         _require(isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids",
                  "stop_token_ids must be a list of non-negative integers")  # fmt: skip
