@@ -129,6 +129,7 @@ class InputProcessor:
         try:
             token_ids = render(normalized)
         except Exception as error:  # jinja raises its own errors for conversations a template rejects
+            _check_unicode(normalized)
             rejection = f"the chat template rejected the messages: {_first_line(error)}"
             merged = merged_turns(normalized)
             if merged == normalized:
@@ -226,6 +227,17 @@ class InputProcessor:
         if self.max_num_seqs is not None and params.n > self.max_num_seqs:
             raise InvalidRequest(f"n ({params.n}) is more than max_num_seqs ({self.max_num_seqs})", "n")
         return max_tokens
+
+
+def _check_unicode(messages: list[Mapping[str, Any]]) -> None:
+    """InvalidRequest naming the first message whose text is not UTF-8 (a lone surrogate): the tokenizer refuses it
+    with a TypeError that would read as the chat template's own refusal."""
+    for i, message in enumerate(messages):
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"messages[{i}].content is not valid Unicode text (a lone surrogate?)",
+                                 param="messages") from None  # fmt: skip
 
 
 def _first_line(error: BaseException) -> str:

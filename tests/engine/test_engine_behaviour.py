@@ -444,3 +444,12 @@ def test_engine_settings_of_the_wrong_type_are_value_errors_naming_them(setting,
 def test_a_model_and_cache_folder_may_be_given_as_paths(tmp_path):
     config = EngineConfig(model=tmp_path / "m.gguf", cache_dir=tmp_path)
     assert config.model == str(tmp_path / "m.gguf") and config.cache_dir == str(tmp_path)
+
+
+def test_a_conversation_that_is_not_unicode_text_is_named_as_such(llm):
+    # A lone surrogate (JSON's "\ud83d" read by json.loads) reached the tokenizer, whose TypeError read as the chat
+    # template's own refusal ("TextEncodeInput must be Union[...]").
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.content is not valid Unicode text \(a lone surrogate\?\)$"):
+        llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi \ud83d"}], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests
+    assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
