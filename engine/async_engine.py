@@ -156,6 +156,7 @@ class AsyncEngine:
         self._wakeup = anyio.Event()
         self._stop_requested = False
         self._all_finished: anyio.Event | None = None  # set during drain once no request is left
+        self._num_ended_at_once = 0  # requests abort_all ended (a second stop signal), for the drain's log
         self._loop_done = anyio.Event()
         self._inputs = InputSlot()
         self._forward_slot = anyio.CapacityLimiter(1)
@@ -277,6 +278,7 @@ class AsyncEngine:
 
     def abort_all(self) -> None:
         """End every request now with an "abort" finish (a second stop signal: a drain that stops at once)."""
+        self._num_ended_at_once += self._num_unfinished()
         self._end_everything(FinishReason.ABORT)
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -462,13 +464,13 @@ class AsyncEngine:
         Returns within timeout + STOP_MARGIN even when a forward pass is stuck: that pass is then abandoned."""
         if self._state in (EngineState.READY, EngineState.LOADING):
             self._state = EngineState.DRAINING
-        num_in_flight = len(self._requests)
+        num_in_flight = self._num_unfinished()  # not those ended already, not yet freed (a second drain's)
         if self._has_unfinished():
             if self._all_finished is None:  # one event for every drain: a second call must not orphan the first
                 self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
-        log_drained(num_in_flight, len(self._requests), timeout)
+        log_drained(num_in_flight, self._num_unfinished(), timeout, self._num_ended_at_once)
         self._end_everything(FinishReason.ABORT)
         self._stop_requested = True
         self._wakeup.set()
@@ -491,6 +493,9 @@ class AsyncEngine:
             raise EngineUnavailable(self._state)
         return self._engine
 
+    def _num_unfinished(self) -> int:
+        return sum(not request.is_finished for request in self._requests.values())
+
     def _has_unfinished(self) -> bool:
         return any(not request.is_finished for request in self._requests.values())
 
@@ -499,8 +504,15 @@ class AsyncEngine:
             self._all_finished.set()
 
 
-def log_drained(num_in_flight: int, num_left: int, timeout: float) -> None:
-    """What a drain did with the requests in flight when it began (nothing to say when there were none)."""
-    if num_in_flight:
-        logger.info("drain: %d of %d requests in flight finished, %d ended with finish_reason 'abort' at "
-                    "drain_timeout (%g s)", num_in_flight - num_left, num_in_flight, num_left, timeout)  # fmt: skip
+def log_drained(num_in_flight: int, num_left: int, timeout: float, num_ended_at_once: int = 0) -> None:
+    """What a drain did with the requests in flight when it began (nothing to say when there were none): those
+    that finished, those a second stop signal ended, those the deadline ended."""
+    if not num_in_flight:
+        return
+    num_ended_at_once = min(num_ended_at_once, num_in_flight - num_left)
+    if num_ended_at_once:
+        num_aborted, when = num_ended_at_once, "a second stop signal"
+    else:
+        num_aborted, when = num_left, f"drain_timeout ({timeout:g} s)"
+    logger.info("drain: %d of %d requests in flight finished, %d ended with finish_reason 'abort' at %s",
+                num_in_flight - num_left - num_ended_at_once, num_in_flight, num_aborted, when)  # fmt: skip

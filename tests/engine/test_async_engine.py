@@ -305,6 +305,29 @@ async def test_drain_finishes_in_flight_then_aborts_the_rest(make_engine) -> Non
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+async def test_a_drain_ended_by_a_second_signal_says_so_once(make_engine, caplog) -> None:
+    # The log said "ended with finish_reason 'abort' at drain_timeout (30 s)" one second into the drain, twice: once
+    # for the signal's drain, once for the lifespan's second drain, whose requests had all ended already.
+    engine = make_engine()
+    slow_steps(engine, 0.01)
+    async_engine = AsyncEngine(lambda: engine, max_pending=8)
+    with caplog.at_level(logging.INFO, logger="engine.async_engine"):
+        async with anyio.create_task_group() as tg:
+            await tg.start(async_engine.run)
+            short = async_engine.generate(prepared(engine, "short", "Hello world", max_tokens=2, **GREEDY))
+            long = async_engine.generate(prepared(engine, "long", "Hello world", max_tokens=450, **GREEDY))
+            tg.start_soon(collect, long)
+            await collect(short)
+            tg.start_soon(async_engine.drain, 30)
+            await anyio.sleep(0.2)
+            async_engine.abort_all()  # the second SIGTERM / SIGINT
+            await async_engine.drain(30)  # the lifespan's shutdown drains again
+    drained = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain:")]
+    assert drained == ["drain: 0 of 1 requests in flight finished, 1 ended with finish_reason 'abort' at a second "
+                       "stop signal"]  # fmt: skip
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
 async def test_a_stalled_step_ends_every_stream_and_stops_the_loop(make_engine) -> None:
     engine = make_engine()
     release = threading.Event()

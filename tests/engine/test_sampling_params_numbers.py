@@ -1,5 +1,5 @@
-"""SamplingParams takes numpy's scalars as the numbers they are (a seed from np.random, a max_tokens computed with numpy),
-as the prompt's token ids are taken, and keeps them as Python's own int and float."""
+"""SamplingParams takes numpy's scalars as the numbers they are (a seed from np.random, a max_tokens computed with
+numpy), as the prompt's token ids are taken, and keeps them as Python's own int and float."""
 
 import numpy as np
 import pytest
