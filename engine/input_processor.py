@@ -286,13 +286,19 @@ def join_text_parts(texts: Iterable[str]) -> str:
 def _text_of_parts(content: Any, role: str) -> str:
     if content is None and role == "assistant":  # a turn of tool calls alone
         return ""
+    # an assistant's refusal part ({"type": "refusal", "refusal": ...}, OpenAI's other assistant content) reads as
+    # its text, as in vLLM
     is_text = isinstance(content, list) and all(
-        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        isinstance(p, Mapping) and p.get("type") in _TEXT_FIELD and isinstance(p.get(_TEXT_FIELD[p["type"]]), str)
+        for p in content
     )
     if not is_text:
         raise InvalidRequest("each message's 'content' must be a string or a list of text parts "
                              '({"type": "text", "text": ...}); null for an assistant only', param="messages")  # fmt: skip
-    return join_text_parts(part["text"] for part in content)
+    return join_text_parts(part[_TEXT_FIELD[part["type"]]] for part in content)
+
+
+_TEXT_FIELD = {"text": "text", "refusal": "refusal"}  # a content part's type -> the field that holds its text
 
 
 def chat_template_options(add_generation_prompt: bool, continue_final_message: bool) -> dict[str, bool]:

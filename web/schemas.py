@@ -162,9 +162,21 @@ class SamplingFields(RequestBody):
 
 
 class TextPart(BaseModel):
+    """A text part, or an assistant's refusal part (OpenAI's two kinds of assistant content), read as its text
+    as vLLM reads it."""
+
     model_config = StrictModel
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+
+    @property
+    def field(self) -> str:
+        return "text" if self.type == "text" else "refusal"
+
+    @property
+    def content(self) -> str | None:
+        return self.text if self.type == "text" else self.refusal
 
 
 class FunctionCallIn(BaseModel):
@@ -191,7 +203,7 @@ class ChatMessage(BaseModel):
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = join_text_parts(part.text for part in content)
+            content = join_text_parts(part.content or "" for part in content)
         # The chat templates of small models know "system" but not OpenAI's newer "developer".
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
@@ -207,6 +219,15 @@ class ChatMessage(BaseModel):
         if self.name is not None and role == "tool":
             message["name"] = self.name
         return message
+
+
+def check_text_parts(messages: list[ChatMessage]) -> None:
+    """400 naming a part without the text its type calls for ("text" of a text part, "refusal" of a refusal)."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if part.content is None:
+                param = f"messages.{i}.content.{j}.{part.field}"
+                raise APIError(400, f"{param}: Field required", param=param)
 
 
 class FunctionSpec(BaseModel):
@@ -278,6 +299,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolsField):
             raise APIError(400, "function_call is not supported by this server: use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        check_text_parts(self.messages)
         for i, message in enumerate(self.messages):
             # OpenAI's rule: only an assistant's message that made tool calls may come without content
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
@@ -366,6 +388,7 @@ class TokenizeRequest(RequestBody, ChatTemplateFields, ToolsField):
     return_token_strs: bool = False
 
     def check_supported(self) -> None:
+        check_text_parts(self.messages or [])
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt")
         if self.messages is not None and not self.messages:

@@ -453,3 +453,14 @@ def test_a_conversation_that_is_not_unicode_text_is_named_as_such(llm):
         llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi \ud83d"}], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests
     assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+
+
+def test_an_assistant_refusal_part_is_read_as_its_text_offline(llm):
+    def prompt(reply):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "why?"}]  # fmt: skip
+        return llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+
+    assert prompt([{"type": "refusal", "refusal": "I can't."}]) == prompt("I can't.")
+    with pytest.raises(ValueError, match="text parts"):
+        prompt([{"type": "refusal", "text": "I can't."}])

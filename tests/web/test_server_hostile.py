@@ -122,7 +122,7 @@ def test_an_integer_past_64_bits_gets_a_400_that_says_so(http: httpx.Client, fie
     "message, param, words",
     [
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
-         "messages.0.content.0.type", "'text', got 'image_url'"),
+         "messages.0.content.0.type", "'text' or 'refusal', got 'image_url'"),
         ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content.0.text", "Field required"),
         ({"role": "robot", "content": "hi"}, "messages.0.role", "got 'robot'"),
         ({"role": "user"}, "messages.0.content", "required in a message of role 'user'"),
@@ -139,6 +139,24 @@ def test_a_chat_message_the_server_cannot_take_gets_a_400_naming_its_part(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_an_assistant_refusal_part_is_read_as_its_text(http: httpx.Client) -> None:
+    """OpenAI's assistant content parts are text or refusal (a client replays the refusals it got); vLLM reads a
+    refusal part as its text. It was a 400 ("Input should be 'text'")."""
+    def tokens(reply: Any) -> list[int]:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "why?"}]  # fmt: skip
+        response = http.post("/tokenize", json={"model": MODEL, "messages": messages})
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    assert tokens([{"type": "refusal", "refusal": "I can't."}]) == tokens("I can't.")
+    both = [{"type": "text", "text": "No"}, {"type": "refusal", "refusal": "I can't."}]
+    assert tokens(both) == tokens("No\nI can't.")
+    refused = {"role": "assistant", "content": [{"type": "refusal"}]}
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [refused], "max_tokens": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0.content.0.refusal"
 
 
 @pytest.mark.parametrize(
