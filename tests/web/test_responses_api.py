@@ -330,3 +330,16 @@ def test_a_response_opts_out_of_speculation_as_chat_does() -> None:
     assert (speculates(), speculates(speculative=True), speculates(speculative=False)) == (True, True, False)
     with pytest.raises(Exception, match="speculative: Input should be a valid boolean"):
         speculates(speculative="no")
+
+
+def test_an_assistant_refusal_part_in_the_input_is_read_as_its_text(client: openai.OpenAI) -> None:
+    """A response's output message holds output_text or refusal parts (OpenAI's): a client that sends the output
+    back as input (its conversation so far) may send a refusal. It was a 400 ("content of type 'refusal'")."""
+    def input_tokens(part: dict) -> int:
+        conversation = [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "content": [part]},
+                        {"role": "user", "content": "why?"}]  # fmt: skip
+        return client.responses.create(model=MODEL, input=conversation, max_output_tokens=1).usage.input_tokens
+
+    refused = input_tokens({"type": "refusal", "refusal": "I can't help with that."})
+    assert refused == input_tokens({"type": "output_text", "text": "I can't help with that.", "annotations": []})
+    assert refused > input_tokens({"type": "output_text", "text": "No.", "annotations": []})

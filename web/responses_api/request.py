@@ -31,6 +31,7 @@ class ContentPart(BaseModel):
     model_config = StrictModel
     type: str
     text: str | None = None
+    refusal: str | None = None  # a refusal part's text (an assistant's output message, sent back as input)
 
 
 class MessageItem(BaseModel):
@@ -271,7 +272,7 @@ def _canonical_item(raw: dict[str, Any], where: str) -> Item:
                    "function_call_output", param=f"{where}.type")  # fmt: skip
 
 
-TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
+TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "refusal"})  # a refusal reads as its text (vLLM)
 
 
 def _text_of(content: str | list[ContentPart], where: str) -> str:
@@ -282,8 +283,10 @@ def _text_of(content: str | list[ContentPart], where: str) -> str:
         if part.type not in TEXT_PART_TYPES:
             message_ = f"{where}[{i}]: content of type {part.type!r} is not supported: this model reads input_text"
             raise APIError(400, message_, param=f"{where}[{i}].type")
-        if part.text is None:
-            raise APIError(400, f"{where}[{i}].text: Field required (a part of type {part.type!r} carries its text)",
-                           param=f"{where}[{i}].text")  # fmt: skip
-        texts.append(part.text)
+        field = "refusal" if part.type == "refusal" else "text"
+        text = part.refusal if part.type == "refusal" else part.text
+        if text is None:
+            raise APIError(400, f"{where}[{i}].{field}: Field required (a part of type {part.type!r} carries its "
+                           "text)", param=f"{where}[{i}].{field}")  # fmt: skip
+        texts.append(text)
     return join_text_parts(texts)
