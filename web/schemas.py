@@ -415,10 +415,16 @@ def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
         first = max(errors, key=lambda e: len(e["loc"]))
         param = _param_from_loc(first["loc"])
         where = f"{param}: " if param else ""
-        raise APIError(400, f"{where}{_union_message(errors, first, param)}"[:500], param=param) from None
+        raise APIError(400, f"{where}{validation_message(errors, first)}"[:500], param=param) from None
     report_ignored_fields(model, body)
     request.check_supported()
     return request
+
+
+def validation_message(errors: list[Any], first: Any) -> str:
+    """What pydantic's error `first` (one of `errors`) says, as every endpoint words it: a value of no type of a union
+    names each type, an integer past 64 bits says so."""
+    return _union_message(errors, first, _param_from_loc(first["loc"]))
 
 
 def _union_message(errors: list[Any], first: Any, param: str | None) -> str:

@@ -343,3 +343,19 @@ def test_an_assistant_refusal_part_in_the_input_is_read_as_its_text(client: open
     refused = input_tokens({"type": "refusal", "refusal": "I can't help with that."})
     assert refused == input_tokens({"type": "output_text", "text": "I can't help with that.", "annotations": []})
     assert refused > input_tokens({"type": "output_text", "text": "No.", "annotations": []})
+
+
+@pytest.mark.parametrize(
+    ("raw_fields", "message"),
+    [
+        ('"input": null', "input: Input should be a valid string or a valid list"),  # not "a valid string" alone
+        ('"input": "Hello", "max_output_tokens": 1180591620717411303424',  # 2**70: a valid integer, too large
+         "max_output_tokens: Input should be an integer within 64 bits"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_described_as_the_chat_endpoint_describes_it(
+    server: ThreadedServer, raw_fields: str, message: str
+) -> None:
+    body = '{"model": "%s", %s}' % (MODEL, raw_fields)
+    response = httpx.post(f"{server.base_url}/v1/responses", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == message, response.text

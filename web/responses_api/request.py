@@ -15,7 +15,7 @@ from web.errors import APIError
 from web.ignored_fields import report_ignored_fields
 from web.responses_api.conversation import Item, function_call, function_call_output, message
 # _TYPE_TAG: union members pydantic puts in `loc`
-from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params
+from web.schemas import _TYPE_TAG, FunctionSpec, NamedFunction, StrictModel, checked_sampling_params, validation_message
 from web.strict_schema import closed_objects
 from web.tool_calls import FunctionTool
 
@@ -228,9 +228,11 @@ def _validate(model: type[BaseModel], raw: Any, where: str) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as error:
-        first = error.errors()[0]
+        errors = error.errors()
+        first = errors[0]
         param = (where + _param_path(first["loc"])).lstrip(".")
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param or None) from None
+        text = validation_message(errors, first)
+        raise APIError(400, f"{param}: {text}" if param else text, param=param or None) from None
 
 
 def _param_path(loc: tuple[int | str, ...]) -> str:
