@@ -3,6 +3,7 @@ goes to another ready replica, no ready replica means 503 "loading", and a repli
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -165,3 +166,27 @@ def test_the_preemption_count_never_goes_down_when_a_replica_is_replaced() -> No
         anyio.run(engine._poll_once)
         seen.append(engine.stats().num_preemptions)
     assert seen == [8, 8, 8, 11] and slot.num_restarts == 1
+
+
+def test_a_drain_ended_by_a_second_signal_says_so_once(caplog) -> None:
+    """The front's requests are forgotten as they end: a drain cut short by a second stop signal logged them as
+    "finished", and the lifespan's second drain logged nothing of them."""
+    slot = ReplicaSlot(0, FakeHandle(), is_ready=True)
+    engine = front_with(slot)
+    engine._requests["r"] = _InFlight(FakeRequest(), slot)  # type: ignore[arg-type]
+    slot.num_in_flight += 1
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tg:
+            engine._tg = tg
+            tg.start_soon(engine.drain, 30)
+            await anyio.sleep(0.1)
+            engine.abort_all()  # the second SIGTERM / SIGINT
+        await engine.drain(30)  # the lifespan's shutdown drains again
+
+    with caplog.at_level(logging.INFO, logger="engine.async_engine"):
+        anyio.run(scenario)
+    drained = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain:")]
+    assert drained == ["drain: 0 of 1 requests in flight finished, 1 ended with finish_reason 'abort' at a second "
+                       "stop signal"]  # fmt: skip
+    assert slot.num_in_flight == 0

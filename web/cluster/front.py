@@ -108,6 +108,7 @@ class ClusterEngine:
         self._tg: TaskGroup | None = None
         self._stop = anyio.Event()
         self._all_finished: anyio.Event | None = None
+        self._num_ended_at_once = 0  # requests abort_all ended (a second stop signal), for the drain's log
         self._shutdown_done: anyio.Event | None = None
         self._inputs = InputSlot()
         self._front_id = uuid.uuid4().hex  # names this front's requests and output stream to the replicas
@@ -187,6 +188,7 @@ class ClusterEngine:
 
     def abort_all(self) -> None:
         """End every request now with an "abort" finish; each replica is told (a second stop signal)."""
+        self._num_ended_at_once += len(self._requests)
         self._end_everything(FinishReason.ABORT)
 
     def stats(self) -> ClusterStats:
@@ -247,7 +249,7 @@ class ClusterEngine:
                 self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
-        log_drained(num_in_flight, len(self._requests), timeout)
+        log_drained(num_in_flight, len(self._requests), timeout, self._num_ended_at_once)
         self._end_everything(FinishReason.ABORT)
         self._stop.set()
         await self._shutdown()
