@@ -54,6 +54,15 @@ _NUMBER_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "
                   "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "n")  # fmt: skip
 
 
+def _is_unicode(text: str) -> bool:
+    """Whether text can be UTF-8 (no lone surrogate), as every generated text is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _require(condition: bool, param: str, message: str) -> None:
     if not condition:
         raise InvalidRequest(message, param=param)
@@ -174,6 +183,8 @@ class SamplingParams:
                  "stop must be a string or a list of strings")  # fmt: skip
         _require(len(stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         _require(all(s for s in stop), "stop", "stop strings must not be empty")
+        _require(all(_is_unicode(s) for s in stop), "stop",
+                 "stop strings must be valid Unicode text (a lone surrogate can never be generated)")  # fmt: skip
         _require(all(len(s) <= MAX_STOP_STRING_CHARS for s in stop), "stop",
                  f"each stop string must have at most {MAX_STOP_STRING_CHARS} characters")  # fmt: skip
         if isinstance(self.stop_token_ids, list):
