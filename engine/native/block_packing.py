@@ -3,8 +3,8 @@ pages: the bytes packing.py's reference packers give on block_grids.py's grid, i
 unpacked grid (the numpy / torch path took 6 of a 1B Q4_K_M model's 10.5 s load).
 
 Each function returns None where the packed form would differ from the C++ one's (the caller then packs in Python):
-Q4_0 / Q4_1 scales that float16 cannot hold (float32 ones then), and a Q4_K tensor whose every scale and minimum
-float16 holds (float16 ones then, not the super-block factors). Either is a NaN or a synthetic file, never a
+Q4_0 / Q4_1 / Q5_0 / Q5_1 scales that float16 cannot hold (float32 ones then), and a Q4_K / Q5_K tensor whose every
+scale and minimum float16 holds (float16 ones then, not the super-block factors). Either is a NaN or a synthetic file, never a
 quantiser's output seen so far.
 """
 
@@ -21,7 +21,8 @@ from engine.checkpoint.stored_tensor import StoredTensor
 from engine.native.packing import GROUP, TILE, Q4Packed, Q6Packed, Q8Packed
 
 QK_K = 256  # weights per K-quant super-block
-Q4_FROM_BLOCKS = ("Q4_0", "Q4_1", "Q4_K")
+Q5_FROM_BLOCKS = ("Q5_0", "Q5_1", "Q5_K")  # the Q5 layout: the Q4 layout's and a word of fifth bits per 32
+Q4_FROM_BLOCKS = ("Q4_0", "Q4_1", "Q4_K", *Q5_FROM_BLOCKS)
 Q6_FROM_BLOCKS = ("Q6_K",)
 Q8_FROM_BLOCKS = ("Q8_0",)
 _EMPTY = torch.empty(0, dtype=torch.float32)
@@ -67,25 +68,36 @@ def _packed_joined(tensors: Sequence[StoredTensor], outputs: Sequence[tuple[int,
 
 
 def q4_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q4Packed | None:
-    """Q4_0 / Q4_1 / Q4_K tensors of one type in the Q4 layout, joined along N (each packed straight into its rows
-    of the joined outputs), as pack_q4_grid packs their grids, or None (see above)."""
+    """Q4_0 / Q4_1 / Q4_K tensors of one type in the Q4 layout, or Q5_0 / Q5_1 / Q5_K ones in the Q5 layout, joined
+    along N (each packed straight into its rows of the joined outputs), as pack_q4_grid packs their grids, or None
+    (see above)."""
     type_name, k = _one_type(tensors)
     n = sum(t.shape[0] for t in tensors)
-    if type_name == "Q4_K":
+    has_fifth_bits = type_name in Q5_FROM_BLOCKS
+    fifth = [(k // GROUP, torch.int32)] if has_fifth_bits else []
+
+    def with_fifth(pack: Callable[..., bool], num_outputs: int, *flags: bool) -> Callable[..., bool]:
+        """pack(blocks, n, k, its outputs, *flags, qh: the last output, or an empty tensor)"""
+        def packed(blocks: np.ndarray, rows: int, k: int, *outputs: torch.Tensor) -> bool:
+            qh = outputs[num_outputs] if has_fifth_bits else torch.empty(0, dtype=torch.int32)
+            return pack(blocks, rows, k, *outputs[:num_outputs], *flags, qh)
+        return packed
+
+    if type_name in ("Q4_K", "Q5_K"):
         outputs = [(k // 2, torch.uint8), (k // GROUP, torch.uint8), (k // GROUP, torch.uint8),
                    (k // QK_K, torch.float32), (k // QK_K, torch.float32)]  # fmt: skip
-        packed = _packed_joined(tensors, outputs, ops.pack_q4_k)
+        packed = _packed_joined(tensors, outputs + fifth, with_fifth(ops.pack_q4_k, 5))
         if packed is None:
             return None
-        qs, sc, m, d, neg_dmin = packed
-        return Q4Packed(qs, sc, m, _EMPTY, n, d, neg_dmin)
-    has_min = type_name == "Q4_1"
+        qs, sc, m, d, neg_dmin, *qh = packed
+        return Q4Packed(qs, sc, m, _EMPTY, n, d, neg_dmin, *qh)
+    has_min = type_name in ("Q4_1", "Q5_1")
     outputs = [(k // 2, torch.uint8), (k // GROUP, torch.float16), (k // GROUP, torch.float16)]
-    packed = _packed_joined(tensors, outputs, lambda *args: ops.pack_q4_legacy(*args, has_min))
+    packed = _packed_joined(tensors, outputs + fifth, with_fifth(ops.pack_q4_legacy, 3, has_min))
     if packed is None:
         return None
-    qs, scale, minv = packed
-    return Q4Packed(qs, scale, minv, _EMPTY, n)
+    qs, scale, minv, *qh = packed
+    return Q4Packed(qs, scale, minv, _EMPTY, n, qh=qh[0] if qh else _EMPTY)
 
 
 def q6_from_blocks(ops: ModuleType, *tensors: StoredTensor) -> Q6Packed:

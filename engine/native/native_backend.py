@@ -7,7 +7,7 @@ Q5_K in the Q5 layout (the Q4 layout and the fifth bits: as few bytes as the fil
 their Q8_0 in the Q8 layer layout (a fused q/k/v of several types runs each part in its own), a
 Q8_0 / Q4_0 / Q5_0 embedding and head in the Q8 layout. Float tensors and types without a grid here are quantised onto Q4_1 / Q8_0 (the head's K-quants
 too: its Q8 layout has one float16 scale per 32), and `plan` says so per tensor (the loader logs it).
-The layers' Q4_0 / Q4_1 / Q4_K and Q6_K and a Q8_0 embedding and head are packed in C++ straight from the file's
+The layers' Q4_0 / Q4_1 / Q4_K, Q5_0 / Q5_1 / Q5_K and Q6_K and a Q8_0 embedding and head are packed in C++ straight from the file's
 blocks (block_packing.py); the rest in Python (packing.py's packers, the reference the C++ ones are tested against).
 """
 
@@ -162,7 +162,7 @@ def _from_blocks(ops: ModuleType, run: list[StoredTensor], plan: PackPlan) -> Q4
     elif type_name in Q4_FROM_BLOCKS:
         packed = q4_from_blocks(ops, *run)
     if packed is not None:
-        plan.note(type_name, "Q6" if isinstance(packed, Q6Packed) else "Q4", True)
+        plan.note(type_name, "Q6" if isinstance(packed, Q6Packed) else "Q5" if packed.has_fifth_bits else "Q4", True)
     return packed
 
 

@@ -19,8 +19,11 @@ from engine.native.packing import pack_q4_grid, pack_q6_grid, pack_q8_grid
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the native extension is not built")
 
-BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}
-HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}  # d (and m / dmin)
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34),
+               "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176)}  # fmt: skip
+HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,),
+                "Q5_0": (0,), "Q5_1": (0, 2), "Q5_K": (0, 2)}  # fmt: skip  # d (and m / dmin)
+MOST_D = {"Q4_0": 8188, "Q5_0": 4094}  # the largest d whose -8 d / -16 d float16 holds
 # finite float16 values a file may hold: signed zeros, subnormals, normals of both signs, the extremes
 EDGE_HALVES = np.array([0.0, -0.0, 6e-8, -3e-5, 1e-3, -2e-2, 0.5, -1.0, 3.0, 8188.0, -65504.0, 65504.0], np.float16)
 SHAPES = [(16, 256), (40, 768), (7, 512), (1024 + 24, 256)]
@@ -32,7 +35,8 @@ def edge_blocks(rng: np.random.Generator, type_name: str, n: int, k: int) -> np.
     block, block_bytes = BLOCK_BYTES[type_name]
     raw = rng.integers(0, 256, size=(n * k // block, block_bytes), dtype=np.uint8)
     for offset in HALF_OFFSETS[type_name]:
-        edges = EDGE_HALVES[np.abs(EDGE_HALVES) <= 8188] if type_name == "Q4_0" else EDGE_HALVES  # -8 d in float16
+        most = MOST_D.get(type_name, np.inf)
+        edges = EDGE_HALVES[np.abs(EDGE_HALVES) <= most]
         small = rng.normal(0, 1e-2, size=raw.shape[0]).astype(np.float16)
         values = np.where(rng.random(raw.shape[0]) < 0.3, rng.choice(edges, raw.shape[0]), small)
         raw[:, offset : offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
@@ -58,10 +62,10 @@ def assert_same_bytes(native: object, reference: object) -> None:
 def reference_q4(tensor: StoredTensor):
     grid = grid_of(tensor)
     q, scale, minv = (torch.from_numpy(a) for a in (grid.q, grid.scale, grid.minv))
-    return pack_q4_grid(q, scale, minv, None, grid.factors)
+    return pack_q4_grid(q, scale, minv, None, grid.factors, has_fifth_bits=tensor.type_name.startswith("Q5"))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"])
 @pytest.mark.parametrize("make_blocks", [edge_blocks, random_blocks])
 def test_q4_from_blocks_is_pack_q4_grid(type_name: str, make_blocks) -> None:
     rng = np.random.default_rng(11)
@@ -71,12 +75,13 @@ def test_q4_from_blocks_is_pack_q4_grid(type_name: str, make_blocks) -> None:
         packed = q4_from_blocks(ops, tensor)
         assert packed is not None, (n, k)
         assert_same_bytes(packed, reference)
-        assert reference.scale.dtype == (torch.uint8 if type_name == "Q4_K" else torch.float16)
+        assert reference.scale.dtype == (torch.uint8 if type_name.endswith("_K") else torch.float16)
+        assert packed.has_fifth_bits == type_name.startswith("Q5")
 
 
 def test_q4_forms_the_python_packer_keeps_are_left_to_it() -> None:
     """float16 holds every Q4_K scale and minimum (pack_q4_grid keeps float16 then); a Q4_1 NaN and a Q4_0 d whose
-    -8 d float16 cannot hold need float32."""
+    -8 d float16 cannot hold need float32 (and Q5_1's NaN, Q5_0's -16 d)."""
     rng = np.random.default_rng(12)
     n, k = 32, 512
     raw = random_blocks(rng, "Q4_K", n, k).reshape(-1, 144)
@@ -84,7 +89,7 @@ def test_q4_forms_the_python_packer_keeps_are_left_to_it() -> None:
     tensor = stored("Q4_K", raw.reshape(n, -1), n, k)
     assert reference_q4(tensor).scale.dtype == torch.float16
     assert q4_from_blocks(ops, tensor) is None
-    for type_name, offset, value in (("Q4_1", 2, np.nan), ("Q4_0", 0, 9000.0)):
+    for type_name, offset, value in (("Q4_1", 2, np.nan), ("Q4_0", 0, 9000.0), ("Q5_1", 2, np.nan), ("Q5_0", 0, 5000.0)):
         raw = random_blocks(rng, type_name, n, k)
         raw[5, offset : offset + 2] = np.array([value], np.float16).view(np.uint8)
         tensor = stored(type_name, raw, n, k)
@@ -111,7 +116,7 @@ def test_q8_from_blocks_is_pack_q8_grid(make_blocks) -> None:
         assert_same_bytes(q8_from_blocks(ops, tensor), reference)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K"])
 def test_tensors_of_one_type_pack_joined_as_their_pieces_join(type_name: str) -> None:
     """A fused q/k or gate/up of one type packs straight into one output: the bytes of each part packed alone,
     joined as packing.py joins pieces (each part's tiles in turn), the last part's rows padded to a whole tile."""
