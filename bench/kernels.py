@@ -7,9 +7,9 @@ For each variant the CPU can run (engine/native: avx512, avxvnni, avx2, baseline
   kernels' instruction and for the int8 kernels' (vpdpbusd, pmaddubsw), and a streaming read of 256 MiB (bytes/s);
 - the Q4_1 GEMM at the default model's shapes (gate_up 576 -> 3072, down 1536 -> 576) with int16 activations
   ("q4", precision "exact") and int8 ones ("q4i8", precision "int8", against the int8 peak), the down projection
-  in the layouts of a downloaded file's other types ("q4f": float32 scales, "q8l": Q5_x / Q8_0, with int16
-  activations; "q8li8": Q5_x / Q8_0, "q4k": Q4_K's own 6-bit scales per super-block, "q6": Q6_K, with int8
-  activations), the
+  in the layouts of a downloaded file's other types ("q4f": float32 scales, "q8l": Q8_0, with int16
+  activations; "q8li8": Q8_0, "q4k": Q4_K's own 6-bit scales per super-block, "q5" / "q5k": Q5_0 / Q5_K in the Q5
+  layout, "q6": Q6_K, with int8 activations; gate_up in "q5" too), the
   Q8_0 lm_head (576 -> 49152), for each row count: multiply-adds/s and % of the arithmetic peak, weight bytes/s
   and % of the read bandwidth (one row is a decode: it should be bound by memory, many rows by arithmetic);
 - decode attention: one query token per sequence at position 512 over a scattered bf16 paged cache (9 query
@@ -47,7 +47,7 @@ class Shape:
     k: int
     n: int
     # "q4" (int16 activations), "q4i8" (int8 activations: precision "int8"), "q4f" (the Q4 layout with float32
-    # scales), "q8l" (the Q8 layer layout: Q5_x / Q8_0 layers) or "q8li8" (the same, int8), "q4k" (Q4_K's super-block
+    # scales), "q8l" (the Q8 layer layout: Q8_0 layers) or "q8li8" (the same, int8), "q4k" (Q4_K's super-block
     # scales, int8), "q5" / "q5k" (Q5_0 / Q5_K in the Q5 layout, int8), "q6" (Q6_K, int8), "q8" (the lm_head) or
     # "q8i8" (the lm_head in precision "int8")
     kind: str
@@ -271,8 +271,8 @@ def run_variant(ops, variant: str, rows: list[int], opts) -> tuple[Peaks, list[R
 def show(variant: str, peaks: Peaks, rows: list[Row], markdown: bool) -> None:
     print(f"\n{variant}: register-only multiply-add peak {peaks.madds / 1e9:.1f} G/s (int8: {peaks.madds_int8 / 1e9:.1f}), "
           f"streaming read {peaks.read_bytes / 1e9:.1f} GB/s; q4 = int16 activations, q4i8 = int8, "
-          f"q4f = float32 scales, q8l = the Q8 layer layout (Q5_x, Q8_0); int8: q8li8 = the same, q4k = Q4_K's own "
-          f"scales, q6 = Q6_K, q8i8 = the lm_head")
+          f"q4f = float32 scales, q8l = the Q8 layer layout (Q8_0); int8: q8li8 = the same, q4k = Q4_K's own "
+          f"scales, q5 / q5k = Q5_0 / Q5_K (the Q5 layout), q6 = Q6_K, q8i8 = the lm_head")
     header = ["kernel", "rows", "ms", "rate", "% peak", "GB/s", "% bandwidth"]
     lines = []
     for r in rows:
