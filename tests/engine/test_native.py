@@ -209,6 +209,20 @@ def test_q4_k_weights_run_on_their_own_grid_in_both_precisions(isa: str) -> None
                 assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
 
 
+def assert_runs_on_its_grid(x: torch.Tensor, packed, w: torch.Tensor, bias: torch.Tensor, kernel_reference) -> None:
+    """In both precisions the float64 reference of the kernel's own arithmetic (kernel_reference(qmax)) plus the
+    bias, each row alone the batch's bits; and int16 activations within their rounding of the file's weights w."""
+    n = packed.n
+    for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
+        y = ops.linear(x, linear_spec(packed), n, is_int8=is_int8)
+        torch.testing.assert_close(y.double(), kernel_reference(qmax) + bias.double(), atol=2e-4, rtol=1e-5)
+        alone = [ops.linear(x[i : i + 1], linear_spec(packed), n, is_int8=is_int8) for i in range(x.shape[0])]
+        assert torch.equal(torch.cat(alone), y)
+    exact = x.double() @ w.T + bias.double()
+    y = ops.linear(x, linear_spec(packed), n)
+    assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max()
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_q5_layout_runs_q5_grids_on_their_own_values_in_both_precisions(isa: str) -> None:
     """Q5_0, Q5_1, Q5_K in the Q5 layout (the Q4 layout's nibbles plus a word of fifth bits per 32, as few bytes as
@@ -233,16 +247,7 @@ def test_q5_layout_runs_q5_grids_on_their_own_values_in_both_precisions(isa: str
             for m in (1, 2, 5, 8, 9, 33):
                 x = torch.randn(m, k, generator=gen)
                 x[0] = 1.0  # every activation at its group's maximum: xq = 127 (int8) or 32767 (int16)
-                for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
-                    y = ops.linear(x, linear_spec(packed), n, is_int8=is_int8)
-                    expected = q4_grid_reference(x, q, scale, minv, qmax) + bias.double()
-                    torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-5)
-                    alone = [ops.linear(x[i : i + 1], linear_spec(packed), n,
-                                        is_int8=is_int8) for i in range(m)]  # fmt: skip
-                    assert torch.equal(torch.cat(alone), y)
-                exact = x.double() @ w.T + bias.double()  # the file's weights, within int16 rounding
-                y = ops.linear(x, linear_spec(packed), n)
-                assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max(), type_name
+                assert_runs_on_its_grid(x, packed, w, bias, lambda qmax: q4_grid_reference(x, q, scale, minv, qmax))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -263,16 +268,7 @@ def test_q8_layer_layout_runs_every_grid_type_on_its_own_values(isa: str) -> Non
             w = torch.from_numpy(grid.dequantize()).double()
             for m in (1, 5, 8, 33):
                 x = torch.randn(m, k, generator=gen)
-                for qmax, is_int8 in ((INT16_STEPS, False), (INT8_STEPS, True)):
-                    y = ops.linear(x, linear_spec(packed), n, is_int8=is_int8)
-                    expected = q8_layer_reference(x, q, scale16, minv, qmax) + bias.double()
-                    torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-5)
-                    alone = [ops.linear(x[i : i + 1], linear_spec(packed), n,
-                                        is_int8=is_int8) for i in range(m)]  # fmt: skip
-                    assert torch.equal(torch.cat(alone), y)
-                exact = x.double() @ w.T + bias.double()  # the file's weights, within int16 rounding
-                y = ops.linear(x, linear_spec(packed), n)
-                assert (y.double() - exact).abs().max() < 1e-3 * exact.abs().max(), type_name
+                assert_runs_on_its_grid(x, packed, w, bias, lambda qmax: q8_layer_reference(x, q, scale16, minv, qmax))
 
 
 def random_grid(rng: np.random.Generator, type_name: str, n: int, k: int):
