@@ -146,7 +146,7 @@ def test_every_layout_gives_a_row_the_same_bits_in_batches_of_any_size(isa: str)
     w = torch.randn(n, k, generator=gen) * 0.05
     q8 = pack_q8(w)
     with on_isa(isa):
-        for kind in ("q4", "q4f", "q8l", "q4k", "q6", "q8"):
+        for kind in ("q4", "q4f", "q8l", "q4k", "q5", "q5k", "q6", "q8"):
             spec = None if kind == "q8" else linear_spec(packed_layer(kind, w))
             for is_int8 in (False, True):
 
