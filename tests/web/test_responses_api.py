@@ -225,6 +225,7 @@ BAD_BODIES = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "call_none", "output": "3"}]}, "input"),  # no such call
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]}, "input"),  # no output
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": ""}, "input"),
     ({"input": []}, "input"),

@@ -88,6 +88,10 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
                 raise InvalidRequest(f"no function call found for the function_call_output with call_id "
                                      f"{item['call_id']!r}", "input")  # fmt: skip
             turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"], "name": name})
+    answered = {item["call_id"] for item in items if item["type"] == "function_call_output"}
+    for call_id in names_by_call:
+        if call_id not in answered:  # as OpenAI answers: each call needs its output before the model goes on
+            raise InvalidRequest(f"no tool output found for function call {call_id!r}", "input")
     rendered = [ChatMessage.model_validate(turn).as_template_dict() for turn in turns]
     if instructions:
         if rendered and rendered[0]["role"] == "system":
