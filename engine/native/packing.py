@@ -1,4 +1,4 @@
-"""Weights in the native kernels' tile layouts (see csrc/kernels.inc): Q4 (4-bit q, a scale and a minimum per
+"""Weights in the native kernels' tile layouts (see csrc/q4_gemm.inc): Q4 (4-bit q, a scale and a minimum per
 group of 32) for the layers' linears, Q6 (csrc/q6.inc) for their Q6_K, Q8_0 for the token embedding and lm_head. A
 file's Q4_0 / Q4_1 / Q4_K grids are packed as they are (pack_q4_grid); float weights are quantised onto Q4_1 / Q8_0,
 and both quantisers
@@ -48,7 +48,7 @@ class Q4Packed:
 
 @dataclass
 class Q8LayerPacked:
-    """A layer's linear in the Q8 layer layout (csrc/kernels.inc, q8l_micro): a grid whose q needs 6 to 8 bits."""
+    """A layer's linear in the Q8 layer layout (csrc/q8_gemm.inc, q8l_micro): a grid whose q needs 6 to 8 bits."""
 
     qs: torch.Tensor  # int8 [N/16 * K/2 * 16 * 2], as Q8Packed's
     scale: torch.Tensor  # float32 [N/16 * K/32 * 16]: one per 32 weights along K, or [N/16 * K/16 * 16] (Q6_K's 16)
@@ -174,7 +174,7 @@ _FIFTH_BIT_COLUMNS = [8 * ((b & 7) >> 1) + 4 * ((b >> 3) & 1) + 2 * (b & 1) + (b
 
 def _fifth_words(q: torch.Tensor) -> torch.Tensor:
     """q [Np, K] in 0..31 -> the Q5 layout's fifth bits, int32 [Np/16 * K/32 * 16]: per group of 32 a word per row
-    whose bit 2o + j + 8k + 16e is bit 4 of column 8o + 4k + 2j + e (csrc/kernels.inc, FifthBits)."""
+    whose bit 2o + j + 8k + 16e is bit 4 of column 8o + 4k + 2j + e (csrc/q4_gemm.inc, FifthBits)."""
     padded, k = q.shape
     fifth = (q.to(torch.uint8).numpy().reshape(padded, k // GROUP, GROUP)[..., _FIFTH_BIT_COLUMNS] >> 4) & 1
     words = np.packbits(fifth, axis=-1, bitorder="little").view("<u4")[..., 0]  # [Np, K/32]
