@@ -151,6 +151,23 @@ def test_a_named_function_then_its_result_and_a_final_answer(client: openai.Open
     assert "<tool_call>" not in final.message.content
 
 
+def test_auto_in_generic_mode_never_calls_a_function_that_is_not_among_the_tools(client: openai.OpenAI) -> None:
+    """Earlier turns that wrote a call to another function after some words: the model does so again, greedy. Plain
+    text may not hold a call's opener (the calls a grammar writes are the only ones read), so no call names it."""
+    shot = 'Sure! <tool_call>{"name": "lookup_stock", "arguments": {"ticker": "%s"}}</tool_call>'
+    messages = []
+    for ticker in ("AAPL", "MSFT", "GOOG"):
+        messages += [{"role": "user", "content": f"Price of {ticker}?"},
+                     {"role": "assistant", "content": shot % ticker}]  # fmt: skip
+    body = dict(messages=[*messages, {"role": "user", "content": "Price of TSLA?"}], tools=TOOLS[:1],
+                tool_choice="auto", max_tokens=40, temperature=0)  # fmt: skip
+    whole = client.chat.completions.create(model=MODEL, **body).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert all(name == "get_weather" for name, _ in calls), calls
+    assert "<tool_call>" not in (whole.message.content or "")
+    assert stream_text_and_calls(client, **body) == (whole.message.content or "", calls, whole.finish_reason)
+
+
 def test_required_calls_cut_by_max_tokens_leave_no_markup_streamed_or_not(client: openai.OpenAI) -> None:
     for max_tokens in range(2, 36, 3):  # cuts in the opener, the name, the arguments, the closer, the next call
         body = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=max_tokens, temperature=0)

@@ -147,3 +147,5 @@ def test_call_grammars_accept_exactly_calls_of_the_tools(tiny_llama_dir, fmt):
     if fmt is GENERIC:
         auto = fmt.auto_grammar(tools, True)
         assert accepts(auto, "Plain words.") and accepts(auto, two) and not accepts(auto, wrong)
+        # text, then a call: the parser would read an unconstrained call (of any name) out of the text
+        assert not accepts(auto, "Sure! " + one) and not accepts(auto, "Sure! <tool_call>{}</tool_call> done")

@@ -8,7 +8,7 @@ Chosen from the chat template's text (detect_tool_format):
   whole output, `{"name": ..., "parameters": {...}}`, several separated by "; ".
 - Generic (templates with no tool format, such as the default SmolLM2's): the tools are described in a system
   message, calls are written Hermes-style, and every output is constrained by a grammar: with tool_choice
-  "auto" it is either plain text (that does not open with `<tool_call>`) or calls.
+  "auto" it is either plain text (that holds no `<tool_call>`) or calls.
 With tool_choice "auto" and a JSON answer format, any family's output is that JSON or calls (a grammar).
 """
 
@@ -69,10 +69,11 @@ class ToolFormat:
         return f"start: call{repeat}\ncall: {call}\n"
 
     def auto_grammar(self, tools: Sequence[FunctionTool], is_parallel: bool) -> str:
-        """Generic mode, tool_choice "auto": plain text that does not open with a call, or calls."""
+        """Generic mode, tool_choice "auto": plain text that holds no call opener, or calls. The parser reads a call
+        wherever an opener is: one in the text would be a call no grammar wrote (of any name, any arguments)."""
         calls = self.call_grammar(tools, is_parallel).replace("start:", "calls:", 1)
         opener = self.call_open.strip()
-        text = f"TEXT: /(?s:.+)/ & ~/(?s:[ \\t\\r\\n]*{_regex_literal(opener)}.*)/"
+        text = f"TEXT: /(?s:.+)/ & ~/(?s:.*{_regex_literal(opener)}.*)/"
         return f"start: TEXT | calls\n{text}\n{calls}"
 
     def answer_or_calls_grammar(
