@@ -39,11 +39,11 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
         """Generate for each prompt (a string or a list of token ids); results in the order given, each with
-        its SamplingParams.n choices in `outputs`."""
+        its SamplingParams.n choices in `outputs`. The arguments are named as vLLM's."""
         prompts = as_token_list(prompts)  # a numpy array or torch tensor: one prompt (1-D) or a batch (2-D)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]
@@ -51,12 +51,12 @@ class LLM:
             raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of those, not "
                                  f"{type(prompts).__name__}", param="prompt")  # fmt: skip
         token_lists = [self.engine.input_processor.encode_prompt(p) for p in prompts]
-        return self._run(token_lists, params, use_tqdm)
+        return self._run(token_lists, sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -66,16 +66,18 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = chat_template_options(add_generation_prompt, continue_final_message)
         token_lists = [self.engine.input_processor.encode_chat(list(c), **options) for c in conversations]
-        return self._run(token_lists, params, use_tqdm)
+        return self._run(token_lists, sampling_params, use_tqdm)
 
-    def stream(self, prompt: Prompt | list[Message], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt | list[Message], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """One request's deltas as the engine makes them (with n > 1, each carries its choice's index); the
         prompt is text, token ids, or a conversation (through the chat template). Closing the iterator early
         aborts the request."""
         is_conversation = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
         processor = self.engine.input_processor
         encode = processor.encode_chat if is_conversation else processor.encode_prompt
-        params = params or SamplingParams()
+        params = sampling_params or SamplingParams()
         inbox: list[RequestOutput] = []
         request_id = self._add(encode(prompt), params, inbox)  # type: ignore[arg-type]
         num_open = params.n

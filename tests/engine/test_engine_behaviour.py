@@ -296,6 +296,18 @@ def test_chat_applies_the_template(llm):
     assert llm.tokenizer.decode(out.prompt_token_ids) == expected and expected.endswith("1, 2, 3,")
 
 
+
+def test_the_sampling_params_keyword_is_vllms(llm):
+    """Code written for vLLM's LLM passes `sampling_params=` by name, to generate, chat and stream alike."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    by_position = llm.generate("hello", greedy, use_tqdm=False)[0]
+    assert llm.generate("hello", sampling_params=greedy, use_tqdm=False)[0].token_ids == by_position.token_ids
+    conversation = [{"role": "user", "content": "hi"}]
+    chatted = llm.chat(conversation, sampling_params=greedy, use_tqdm=False)[0]
+    assert chatted.token_ids == llm.chat(conversation, greedy, use_tqdm=False)[0].token_ids
+    streamed = [t for delta in llm.stream("hello", sampling_params=greedy) for t in delta.new_token_ids]
+    assert streamed == by_position.token_ids
+
 # ---- the real default model: UTF-8 and stop strings on real text -----------------------------------------
 
 
