@@ -301,9 +301,36 @@ def _text_of_parts(content: Any, role: str) -> str:
 _TEXT_FIELD = {"text": "text", "refusal": "refusal"}  # a content part's type -> the field that holds its text
 
 
-def chat_template_options(add_generation_prompt: bool, continue_final_message: bool) -> dict[str, bool]:
+def chat_template_options(
+    add_generation_prompt: bool, continue_final_message: bool, variables: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """vLLM's switches as the template's arguments: continue_final_message leaves the last message open for the
-    model to go on (an assistant's words put in its mouth) and implies no generation prompt."""
+    model to go on (an assistant's words put in its mouth) and implies no generation prompt. variables: a
+    request's chat_template_kwargs (vLLM's), more variables for the template, such as Qwen 3's enable_thinking."""
+    switches = {"add_generation_prompt": add_generation_prompt}
     if continue_final_message:
-        return {"add_generation_prompt": False, "continue_final_message": True}
-    return {"add_generation_prompt": add_generation_prompt}
+        switches = {"add_generation_prompt": False, "continue_final_message": True}
+    return {**_template_variables(variables), **switches}
+
+
+# apply_chat_template's own arguments: a request sets them through its fields (or not at all), never as variables
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def _template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidRequest(f"chat_template_kwargs: {name!r} is not a template variable's name",
+                                 param="chat_template_kwargs")  # fmt: skip
+        if name in _TEMPLATE_ARGUMENTS:
+            raise InvalidRequest(f"chat_template_kwargs may not set {name!r}: it is an argument of the template's "
+                                 "rendering, set by the request's own fields", param="chat_template_kwargs")  # fmt: skip
+    return dict(variables)

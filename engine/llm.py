@@ -60,11 +60,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[CompletionOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate. As vLLM's:
-        continue_final_message leaves the last message open for the model to go on (no generation prompt)."""
+        continue_final_message leaves the last message open for the model to go on (no generation prompt);
+        chat_template_kwargs are more variables for the template (Qwen 3's enable_thinking, say)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        options = chat_template_options(add_generation_prompt, continue_final_message)
+        options = chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         token_lists = [self.engine.input_processor.encode_chat(list(c), **options) for c in conversations]
         return self._run(token_lists, sampling_params, use_tqdm)
 

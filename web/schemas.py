@@ -256,14 +256,15 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatTemplateFields(BaseModel):
-    """vLLM's chat template switches (engine.input_processor.chat_template_options)."""
+    """vLLM's chat template switches and variables (engine.input_processor.chat_template_options)."""
 
     model_config = StrictModel
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def template_options(self) -> dict[str, Any]:
-        return chat_template_options(self.add_generation_prompt, self.continue_final_message)
+        return chat_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 
 
 # More messages than any context holds: refused as the list is read (validating 140,000 held the loop ~0.8 s).

@@ -297,6 +297,18 @@ def test_chat_applies_the_template(llm):
 
 
 
+def test_chat_template_kwargs_are_the_templates_variables(llm):
+    conversation = [{"role": "user", "content": "hi"}]
+    out = llm.chat(conversation, SamplingParams(max_tokens=1), use_tqdm=False,
+                   chat_template_kwargs={"enable_thinking": False})[0]  # fmt: skip
+    expected = llm.tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert llm.tokenizer.decode(out.prompt_token_ids) == expected and "<think>" in expected
+    for variables in [{"tokenize": False}, {"conversation": []}, {1: True}, "enable_thinking"]:
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            llm.chat(conversation, use_tqdm=False, chat_template_kwargs=variables)
+
 def test_the_sampling_params_keyword_is_vllms(llm):
     """Code written for vLLM's LLM passes `sampling_params=` by name, to generate, chat and stream alike."""
     greedy = SamplingParams(max_tokens=4, temperature=0)

@@ -30,9 +30,11 @@ CORPUS = [
     "Numbers 0123456789 and punctuation: ,.;:!?()[]{}<>",
 ] * 4
 
+# With Qwen 3's switch: chat_template_kwargs {"enable_thinking": false} opens the answer with an empty thought.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -176,6 +176,21 @@ def test_the_final_message_can_be_continued(server: ThreadedServer, http: httpx.
     assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
 
 
+def test_chat_template_kwargs_reach_the_template(server: ThreadedServer, http: httpx.Client) -> None:
+    """vLLM's chat_template_kwargs: more variables for the template (here Qwen 3's enable_thinking switch)."""
+    messages = CHAT["messages"]
+    plain = server.engine.input_processor.encode_chat(messages)
+    no_thinking = server.engine.input_processor.encode_chat(messages, enable_thinking=False)
+    assert len(no_thinking) > len(plain)
+    for variables, prompt in [({"enable_thinking": True}, plain), ({"enable_thinking": False}, no_thinking)]:
+        body = {**CHAT, "max_tokens": 2, "chat_template_kwargs": variables}
+        assert http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == len(prompt)
+        assert http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": variables}).json()[
+            "tokens"] == prompt  # fmt: skip
+    for variables in [{"tokenize": False}, {"add_generation_prompt": False}, {"not a name": 1}, ["enable_thinking"]]:
+        response = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": variables})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs", variables
+
 def test_logprobs_shapes(http: httpx.Client) -> None:
     chat = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 3}).json()
     content = chat["choices"][0]["logprobs"]["content"]
