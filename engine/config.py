@@ -36,6 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    chat_template: str = ""  # "" = the model's own; else a Jinja file's path or the template's text
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
     quantize: str = "auto"  # "auto": the native step / weight-only quantised kernels; "none": dense only;
@@ -54,7 +55,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("model", "cache_dir"):
+        for name in ("model", "chat_template", "cache_dir"):
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 object.__setattr__(self, name, os.fspath(value))  # frozen: a path given as a Path is kept as text

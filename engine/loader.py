@@ -22,7 +22,7 @@ from engine.checkpoint.source import open_checkpoint, served_name
 from engine.checkpoint.stored_tensor import type_counts
 from engine.config import EngineConfig
 from engine.kv_pool import KVPool
-from engine.models.chat_templates import chat_format
+from engine.models.chat_templates import chat_format, read_chat_template
 from engine.models.registry import model_class
 from engine.native.native_backend import NativeBackend, PackedWeights, check_shapes, pack_weights, unsupported_reason
 from engine.step_backend import StepBackend
@@ -71,6 +71,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def _load(config: EngineConfig) -> LoadedModel:
+    template = read_chat_template(config.chat_template) if config.chat_template else None  # before the long part
     checkpoint = open_checkpoint(config.model, config.cache_path)
     ops = _native_ops(config)
     # The weights pack on every core, outside the GIL (0.3-1 s of a 1B model), while this thread builds the config
@@ -100,7 +101,10 @@ def _load(config: EngineConfig) -> LoadedModel:
     kv_pool = KVPool.allocate(backend, config.num_kv_blocks, config.block_size, dtype)
     warm_up(backend, kv_pool, config.block_size, min(max_pos, config.max_model_len))
     fmt = chat_format(getattr(hf_config, "model_type", ""))
-    if not tokenizer.chat_template and fmt is not None:
+    if template is not None:
+        tokenizer.chat_template = template
+        log.info("chat template: the configured one (chat_template), not the model's")
+    elif not tokenizer.chat_template and fmt is not None:
         log.info("the model carries no chat template: using %s's own", hf_config.model_type)
         tokenizer.chat_template = fmt.template
     eos = checkpoint.eos_token_ids() or ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())

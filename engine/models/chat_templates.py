@@ -4,6 +4,7 @@ tokenizer_config, such as the packaged Gemma 3 270M): the model family's own pub
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -43,3 +44,27 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
 
 def chat_format(model_type: str) -> ChatFormat | None:
     return CHAT_FORMATS.get(model_type)
+
+
+def read_chat_template(value: str) -> str:
+    """The configured chat_template: a Jinja file's path or the template's own text, checked as Jinja (a template
+    that cannot parse would fail every chat request; here it fails the start, in one line)."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    is_text = "{{" in value or "{%" in value
+    path = Path(value).expanduser()
+    if not is_text:
+        if not path.is_file():
+            raise ValueError(f"chat_template: no file {value!r} (a Jinja template's path, or its text)")
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"chat_template: {path} cannot be read as UTF-8 text: {error}") from None
+    try:
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(value)  # transformers renders it so
+    except jinja2.TemplateSyntaxError as error:
+        where = "the text given" if is_text else str(path)
+        raise ValueError(f"chat_template: {where} is not a Jinja template: {error} (line {error.lineno})") from None
+    return value
