@@ -66,7 +66,7 @@ class LLMEngine:
         if is_cut_by_pool:
             pool = f"num_kv_blocks {config.num_kv_blocks} x block_size {config.block_size}"
             self.input_processor.context_limit = f"max_model_len, cut to what the KV pool holds: {pool}"
-        self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.eos_token_ids, self.max_model_len, self.tokenizer.eos_token_id)
         self.runner = ModelRunner(loaded, config)
         logger.info("KV pool %d blocks x %d tokens, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
                     "%d threads", config.num_kv_blocks, config.block_size, self.max_model_len, config.max_num_seqs,

@@ -14,9 +14,14 @@ from engine.sequence import Sequence
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    def __init__(
+        self, eos_token_ids: frozenset[int], max_model_len: int, primary_eos_token_id: int | None = None
+    ) -> None:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # The tokenizer's own EOS ends an output with stop_reason None; the others (an end-of-turn token, the
+        # generation config's further ids) are named as stop token ids are, as vLLM names them.
+        self.primary_eos_token_id = primary_eos_token_id
 
     def on_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         """Append one sampled token to seq and return its delta; finish_reason is set when it ends seq."""
@@ -39,6 +44,7 @@ class OutputProcessor:
             reason, stop_reason = FinishReason.STOP, stop_str
         elif is_eos:
             reason = FinishReason.STOP
+            stop_reason = None if token_id == self.primary_eos_token_id else token_id
         elif is_stop_token:
             reason, stop_reason = FinishReason.STOP, token_id
         elif is_grammar_done:  # the output is complete: nothing but EOS could follow

@@ -67,6 +67,11 @@ def test_gemma3_270m_chat_template_and_end_of_turn(gemma_llm: LLM) -> None:
     params = SamplingParams(max_tokens=8, temperature=0, logit_bias={end_of_turn: 100.0})
     out = gemma_llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == [end_of_turn]
+    # vLLM's stop_reason: an end token other than the tokenizer's own EOS is named, as a stop token id is
+    assert out.outputs[0].stop_reason == end_of_turn
+    eos = SamplingParams(max_tokens=8, temperature=0, logit_bias={tokenizer.eos_token_id: 100.0})
+    out = gemma_llm.generate([prompt], eos, use_tqdm=False)[0]
+    assert out.token_ids == [tokenizer.eos_token_id] and out.outputs[0].stop_reason is None
 
 
 def test_gemma3_270m_renders_runs_of_one_role_its_template_refuses_as_one_turn(gemma_llm: LLM) -> None:
