@@ -71,17 +71,25 @@ class LLM:
         return self._run(token_lists, sampling_params, use_tqdm)
 
     def stream(
-        self, prompt: Prompt | list[Message], sampling_params: SamplingParams | None = None
+        self,
+        prompt: Prompt | list[Message],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Iterator[RequestOutput]:
         """One request's deltas as the engine makes them (with n > 1, each carries its choice's index); the
-        prompt is text, token ids, or a conversation (through the chat template). Closing the iterator early
-        aborts the request."""
-        is_conversation = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        prompt is text, token ids, or a conversation (through the chat template, with chat's options). Closing
+        the iterator early aborts the request."""
         processor = self.engine.input_processor
-        encode = processor.encode_chat if is_conversation else processor.encode_prompt
+        if isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict):
+            options = chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
+            token_ids = processor.encode_chat(prompt, **options)
+        else:
+            token_ids = processor.encode_prompt(prompt)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
         inbox: list[RequestOutput] = []
-        request_id = self._add(encode(prompt), params, inbox)  # type: ignore[arg-type]
+        request_id = self._add(token_ids, params, inbox)
         num_open = params.n
         try:
             while num_open:

@@ -299,12 +299,14 @@ def test_chat_applies_the_template(llm):
 
 def test_chat_template_kwargs_are_the_templates_variables(llm):
     conversation = [{"role": "user", "content": "hi"}]
-    out = llm.chat(conversation, SamplingParams(max_tokens=1), use_tqdm=False,
-                   chat_template_kwargs={"enable_thinking": False})[0]  # fmt: skip
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    out = llm.chat(conversation, greedy, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
     expected = llm.tokenizer.apply_chat_template(
         conversation, add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
     assert llm.tokenizer.decode(out.prompt_token_ids) == expected and "<think>" in expected
+    streamed = llm.stream(conversation, greedy, chat_template_kwargs={"enable_thinking": False})
+    assert [t for delta in streamed for t in delta.new_token_ids] == out.token_ids  # the same prompt
     for variables in [{"tokenize": False}, {"conversation": []}, {1: True}, "enable_thinking"]:
         with pytest.raises(ValueError, match="chat_template_kwargs"):
             llm.chat(conversation, use_tqdm=False, chat_template_kwargs=variables)
