@@ -267,6 +267,19 @@ class ChatTemplateFields(BaseModel):
         return chat_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """400 for a message OpenAI refuses: a text part without its text, no content, a tool result without its id."""
+    check_text_parts(messages)
+    for i, message in enumerate(messages):
+        # OpenAI's rule: only an assistant's message that made tool calls may come without content
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise APIError(400, f"messages.{i}.content: required in a message of role {message.role!r}",
+                           param=f"messages.{i}.content")  # fmt: skip
+        if message.role == "tool" and message.tool_call_id is None:  # OpenAI's rule too
+            raise APIError(400, f"messages.{i}.tool_call_id: required in a message of role 'tool' (the id of the "
+                           "tool call it answers)", param=f"messages.{i}.tool_call_id")  # fmt: skip
+
+
 # More messages than any context holds: refused as the list is read (validating 140,000 held the loop ~0.8 s).
 MAX_MESSAGES = 8192
 
@@ -300,15 +313,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolsField):
             raise APIError(400, "function_call is not supported by this server: use tool_choice", param="function_call")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        check_text_parts(self.messages)
-        for i, message in enumerate(self.messages):
-            # OpenAI's rule: only an assistant's message that made tool calls may come without content
-            if message.content is None and not (message.role == "assistant" and message.tool_calls):
-                raise APIError(400, f"messages.{i}.content: required in a message of role {message.role!r}",
-                               param=f"messages.{i}.content")  # fmt: skip
-            if message.role == "tool" and message.tool_call_id is None:  # OpenAI's rule too
-                raise APIError(400, f"messages.{i}.tool_call_id: required in a message of role 'tool' (the id of the "
-                               "tool call it answers)", param=f"messages.{i}.tool_call_id")  # fmt: skip
+        check_messages(self.messages)
         choice, name = self.tool_choice_kind()
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
@@ -389,7 +394,7 @@ class TokenizeRequest(RequestBody, ChatTemplateFields, ToolsField):
     return_token_strs: bool = False
 
     def check_supported(self) -> None:
-        check_text_parts(self.messages or [])
+        check_messages(self.messages or [])  # the messages chat would take, no others
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt")
         if self.messages is not None and not self.messages:

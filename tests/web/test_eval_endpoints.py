@@ -93,6 +93,9 @@ def test_tokenizer_endpoints_refuse_bad_input(http: httpx.Client) -> None:
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "prompt"),
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        # the messages chat refuses, as chat refuses them
+        ("/tokenize", {"messages": [{"role": "user", "content": "y"}, {"role": "assistant"}]}, 400, "messages.1.content"),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "42"}]}, 400, "messages.0.tool_call_id"),
     ]
     for path, body, status, param in cases:
         response = http.post(path, json=body)
