@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 PROPOSERS = ("prompt", "recent")  # prompt lookup in the sequence itself; the index of recent outputs
 
@@ -21,6 +22,17 @@ class ProposerCounts:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def summed_counts(*reports: Mapping[str, ProposerCounts]) -> dict[str, ProposerCounts]:
+    """Several engines' counters by proposer, added up (a front's replicas)."""
+    total: dict[str, ProposerCounts] = {}
+    for report in reports:
+        for proposer, counts in report.items():
+            into = total.setdefault(proposer, ProposerCounts())
+            for f in fields(ProposerCounts):
+                setattr(into, f.name, getattr(into, f.name) + getattr(counts, f.name))
+    return total
 
 
 @dataclass(slots=True)

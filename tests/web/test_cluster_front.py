@@ -14,6 +14,7 @@ import pytest
 from engine.async_engine import EngineState, EngineUnavailable
 from engine.config import SluiceConfig
 from engine.outputs import FinishReason
+from engine.speculative.stats import ProposerCounts
 from web.cluster.front import REPLICA_FAILED, ClusterEngine, ReplicaSlot, _InFlight, _replica_body
 from web.cluster.stats import ReplicaStats
 
@@ -166,6 +167,37 @@ def test_the_preemption_count_never_goes_down_when_a_replica_is_replaced() -> No
         anyio.run(engine._poll_once)
         seen.append(engine.stats().num_preemptions)
     assert seen == [8, 8, 8, 11] and slot.num_restarts == 1
+
+
+def test_speculation_counters_are_summed_over_replicas_and_never_go_down() -> None:
+    """/metrics' sluice_speculative_*_total with replicas: every replica's counts, a replaced one's kept (they were
+    missing altogether: the front reported no speculation)."""
+
+    def report(pid: int, num_accepted: int) -> ReplicaStats:
+        counts = {"prompt": ProposerCounts(num_steps=1, num_draft_tokens=8, num_accepted_tokens=num_accepted,
+                                           num_emitted_tokens=num_accepted + 1), "recent": ProposerCounts()}
+        return ReplicaStats(pid=pid, state="ready", running=0, waiting=0, pending=0, free_kv_blocks=1,
+                            total_kv_blocks=1, num_prefix_queries=0, num_prefix_hits=0, speculation=counts)  # fmt: skip
+
+    slot, other = ReplicaSlot(0, FakeHandle()), ReplicaSlot(1, FakeHandle())
+    engine = front_with(slot, other)
+    reports = {0: [report(7, 5), None, report(8, 2)], 1: [report(9, 3)] * 3}
+
+    async def answer(index: int) -> ReplicaStats:
+        stats = reports[index].pop(0)
+        if stats is None:
+            raise RuntimeError("the actor died")
+        return stats
+
+    for s in (slot, other):
+        s.handle.stats = SimpleNamespace(remote=partial(answer, s.index))
+    seen = []
+    for _ in range(3):
+        anyio.run(engine._poll_once)
+        speculation = engine.stats().speculation or {}
+        seen.append((speculation["prompt"].num_accepted_tokens, speculation["prompt"].num_steps,
+                     speculation["recent"].num_steps))  # fmt: skip
+    assert seen == [(8, 2, 0), (8, 2, 0), (10, 3, 0)]
 
 
 def test_a_drain_ended_by_a_second_signal_says_so_once(caplog) -> None:

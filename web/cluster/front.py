@@ -37,6 +37,7 @@ from engine.input_slot import InputSlot, chat_size, prompt_size, with_grammar
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
+from engine.speculative.stats import ProposerCounts, summed_counts
 from web.cluster.router import Router, prompt_block_hashes
 from web.cluster.stats import ClusterStats, ReplicaStats
 
@@ -63,6 +64,7 @@ class ReplicaSlot:
     num_in_flight: int = 0  # requests this front has sent there and not yet ended
     num_restarts: int = 0
     earlier: dict[str, int] = field(default_factory=dict)  # COUNTERS of the slot's replaced replicas: never down
+    earlier_speculation: dict[str, ProposerCounts] = field(default_factory=dict)  # theirs, likewise
     failed_at: float | None = None  # monotonic time of the last failure seen in one of its streams
     is_answering: bool = False  # its last report came, and no stream failed since
     listener: anyio.CancelScope | None = None  # the reader of its outputs() stream, while one runs
@@ -70,6 +72,10 @@ class ReplicaSlot:
     def count(self, counter: str) -> int:
         """One of COUNTERS over every replica the slot has had."""
         return self.earlier.get(counter, 0) + (getattr(self.stats, counter) if self.stats is not None else 0)
+
+    def speculation(self) -> dict[str, ProposerCounts]:
+        """The speculation counters by proposer over every replica the slot has had."""
+        return summed_counts(self.earlier_speculation, self.stats.speculation if self.stats is not None else {})
 
     @property
     def load(self) -> int:
@@ -207,6 +213,7 @@ class ClusterEngine:
             num_preemptions=sum(s.count("num_preemptions") for s in self._slots),
             num_prefix_queries=sum(s.count("num_prefix_queries") for s in self._slots),
             num_prefix_hits=sum(s.count("num_prefix_hits") for s in self._slots),
+            speculation=summed_counts(*(s.speculation() for s in self._slots)),
             num_ready=sum(s.is_ready for s in self._slots),
             routing=self.config.cluster.routing,
             decisions=dict(router.decisions) if router is not None else {},
@@ -331,6 +338,7 @@ class ClusterEngine:
         if slot.stats is not None and stats.pid != slot.stats.pid:
             slot.num_restarts += 1
             slot.earlier = {counter: slot.count(counter) for counter in COUNTERS}
+            slot.earlier_speculation = slot.speculation()
             if self._router is not None:
                 self._router.memory.forget(slot.index)
             logger.info("replica %d restarted (pid %d -> %d)", slot.index, slot.stats.pid, stats.pid)

@@ -29,6 +29,7 @@ from engine.errors import load_refusals
 from engine.input_processor import PreparedRequest
 from engine.outputs import RequestOutput
 from engine.request import OutputStream
+from engine.speculative.stats import summed_counts
 from web.cluster.stats import ReplicaStats
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ class EngineReplica:
             num_prefix_queries=blocks.num_prefix_queries,
             num_prefix_hits=blocks.num_prefix_hits,
             num_preemptions=stats.num_preemptions,
+            speculation=summed_counts(stats.speculation or {}),  # a copy: the engine's own go on counting
         )
 
     async def submit(self, front_id: str, request: PreparedRequest) -> None:

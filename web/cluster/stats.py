@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.async_engine import EngineStats
+from engine.speculative.stats import ProposerCounts
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class ReplicaStats:
     num_prefix_queries: int  # prompt tokens looked up in its prefix cache
     num_prefix_hits: int  # of which found
     num_preemptions: int = 0
+    speculation: dict[str, ProposerCounts] = field(default_factory=dict)  # proposer -> its counters
 
     @property
     def load(self) -> int:
