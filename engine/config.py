@@ -61,6 +61,9 @@ class EngineConfig:
                 object.__setattr__(self, name, os.fspath(value))  # frozen: a path given as a Path is kept as text
             elif not isinstance(value, str):
                 raise ValueError(f"{name} must be a string or a path, got {value!r}")
+        if not self.cache_dir.strip():  # Path("") is the working directory: a 240 MB model file could land there
+            raise ValueError("cache_dir must not be empty: it names the folder start-up keeps its files in "
+                             "(~/.cache/sluice by default)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
         if not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool):

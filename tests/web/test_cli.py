@@ -123,7 +123,8 @@ def test_bad_values_exit_2_with_the_reason() -> None:
                           (["--client-read-timeout", "0"], "client_read_timeout must be > 0, got 0"),
                           (["--responses-store-ttl", "0"], "responses_store_ttl must be > 0, got 0"),
                           (["--num-threads", "10000"], "num_threads must be in [0, 1024]"),
-                          (["--host", ""], "host must not be empty")):  # fmt: skip
+                          (["--host", ""], "host must not be empty"),
+                          (["--cache-dir", ""], "cache_dir must not be empty")):  # it was the working directory
         done = sluice("serve", *flags)
         assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr
 
