@@ -85,3 +85,23 @@ def test_a_ray_address_where_nothing_listens_ends_the_server_with_its_reason(tin
         assert f"ray_address '{address}': nothing answers there" in line and "ray start --head" in line
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(("address", "refusal"), [
+    ("auto", ConnectionError("Could not find any running Ray instance.")),  # ray.init's own words
+    ("ray://10.0.0.1:10001", ConnectionError("ray client connection timeout")),
+    ("bogus", ValueError("Invalid address format: bogus")),
+])  # fmt: skip
+def test_a_ray_address_ray_cannot_join_is_one_line_naming_the_key(monkeypatch: pytest.MonkeyPatch, address: str,
+                                                                  refusal: Exception) -> None:  # fmt: skip
+    """"auto" with no Ray running was a traceback of 50 lines (ray.init's ConnectionError): now the load's refusal,
+    one line that names ray_address. ray.init is stood in for: "auto" would join any Ray running on this machine."""
+    from engine.config import ClusterConfig, SluiceConfig
+    from web.cluster import launch
+
+    def init(**kwargs: object) -> None:
+        raise refusal
+
+    monkeypatch.setattr(launch.ray, "init", init)
+    with pytest.raises(ValueError, match=rf"^ray_address '{address}': {refusal}"):
+        launch.launch_replicas(SluiceConfig(cluster=ClusterConfig(replicas=2, ray_address=address)))

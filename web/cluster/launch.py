@@ -108,7 +108,10 @@ def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | N
     if not ray.is_initialized():
         if cluster.ray_address:
             check_reachable(cluster.ray_address)
-            ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
+            try:
+                ray.init(address=cluster.ray_address, logging_level=logging.WARNING)
+            except (ConnectionError, ValueError) as error:  # "auto" with no Ray running, a malformed address
+                raise ValueError(f"ray_address {cluster.ray_address!r}: {error}") from None
         else:
             start_local_ray()
             started_ray = True
