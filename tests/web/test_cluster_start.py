@@ -105,3 +105,20 @@ def test_a_ray_address_ray_cannot_join_is_one_line_naming_the_key(monkeypatch: p
     monkeypatch.setattr(launch.ray, "init", init)
     with pytest.raises(ValueError, match=rf"^ray_address '{address}': {refusal}"):
         launch.launch_replicas(SluiceConfig(cluster=ClusterConfig(replicas=2, ray_address=address)))
+
+
+def test_a_local_clusters_model_path_that_is_not_there_is_said_before_ray_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """The replicas of a local Ray run on this machine: a mistyped path was Ray's start (15 s) and then each
+    replica's constructor traceback, logged by Serve's controller (150 lines), before the one line that says why."""
+    from engine.config import ClusterConfig, EngineConfig, SluiceConfig
+    from web.cluster import launch
+
+    def init(**kwargs: object) -> None:
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(launch.ray, "init", init)
+    missing = tmp_path / "no-such-model.gguf"
+    config = SluiceConfig(engine=EngineConfig(model=str(missing)), cluster=ClusterConfig(replicas=2))
+    with pytest.raises(ValueError, match=f"^model path does not exist: {missing}$"):
+        launch.launch_replicas(config)
