@@ -231,9 +231,15 @@ def _check_file_types(cls: type, values: dict[str, Any], where: str) -> None:
     """TOML has types: a string where a number or a boolean belongs is an error (only overrides from the
     environment and the command line are strings to parse)."""
     for f in fields(cls):
-        value = values.get(f.name)
+        if f.name not in values:
+            continue
+        value = values[f.name]
         if isinstance(value, str) and not isinstance(f.default, str):
             raise ValueError(f"{where}: {f.name} expects {_TYPE_NAMES[type(f.default)]}, got {value!r}")
+        try:
+            _coerce(cls, f.name, value)
+        except ValueError as error:  # 16.0 for an integer, true for a number: which file says so
+            raise ValueError(f"{where}: {error}") from None
 
 
 _warned_env_names: set[str] = set()  # once per process, however often the config is read

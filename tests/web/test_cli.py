@@ -133,8 +133,8 @@ def test_bad_values_exit_2_with_the_reason() -> None:
     ("text", "reason"),
     [
         ("[server]\napi_key = 12345\n", "api_key expects a string, got 12345"),
-        ("[engine]\nnum_threads = 1.5\n", "num_threads expects an integer, got 1.5"),
-        ("[server]\nport = true\n", "port expects an integer, got True"),
+        ("[engine]\nnum_threads = 1.5\n", "bad.toml [engine]: num_threads expects an integer, got 1.5"),  # which file
+        ("[server]\nport = true\n", "bad.toml [server]: port expects an integer, got True"),
         ("[server]\nmax_pending = [1, 2]\n", "max_pending expects an integer"),
         ('[server]\nport = "18621"\n', "port expects an integer, got '18621'"),  # TOML has types: no parsing
         ('[server]\nmetrics_need_key = "no"\n', "metrics_need_key expects a boolean, got 'no'"),
