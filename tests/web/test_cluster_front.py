@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from engine.async_engine import EngineState, EngineUnavailable
-from engine.config import SluiceConfig
+from engine.config import ClusterConfig, SluiceConfig
 from engine.outputs import FinishReason
 from engine.speculative.stats import ProposerCounts
 from web.cluster.front import REPLICA_FAILED, ClusterEngine, ReplicaSlot, _InFlight, _replica_body
@@ -222,3 +222,15 @@ def test_a_drain_ended_by_a_second_signal_says_so_once(caplog) -> None:
     assert drained == ["drain: 0 of 1 requests in flight finished, 1 ended with finish_reason 'abort' at a second "
                        "stop signal"]  # fmt: skip
     assert slot.num_in_flight == 0
+
+
+def test_replicas_without_ray_installed_is_one_line_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was the engine loop's 30-line traceback of a ModuleNotFoundError."""
+    import sys
+
+    for name in ("web.cluster.launch", "web.cluster.replica"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: `import ray` raises ModuleNotFoundError
+    engine = ClusterEngine(SluiceConfig(cluster=ClusterConfig(replicas=2)))
+    with pytest.raises(ValueError, match=r"^replicas = 2 needs Ray Serve: pip install -e '\.\[cluster\]' \(.*ray"):
+        anyio.run(engine._start)

@@ -264,7 +264,11 @@ class ClusterEngine:
     async def _start(self) -> None:
         launch = self._launch_fn
         if launch is None:
-            from web.cluster.launch import launch_replicas  # Ray: imported only now
+            try:
+                from web.cluster.launch import launch_replicas  # Ray: imported only now
+            except ImportError as error:  # the cluster extra is not installed (or not whole)
+                raise ValueError(f"replicas = {self.num_replicas} needs Ray Serve: pip install -e '.[cluster]' "
+                                 f"({error})") from None
 
             # A SIGTERM in the seconds Serve takes to start would meet ray.init's handler (a stack dump, then abort)
             launch = partial(launch_replicas, on_ray_started=partial(anyio.from_thread.run_sync, _take_back_signals),
