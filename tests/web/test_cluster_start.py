@@ -107,10 +107,16 @@ def test_a_ray_address_ray_cannot_join_is_one_line_naming_the_key(monkeypatch: p
         launch.launch_replicas(SluiceConfig(cluster=ClusterConfig(replicas=2, ray_address=address)))
 
 
-def test_a_local_clusters_model_path_that_is_not_there_is_said_before_ray_starts(monkeypatch: pytest.MonkeyPatch,
-                                                                                 tmp_path: Path) -> None:  # fmt: skip
-    """The replicas of a local Ray run on this machine: a mistyped path was Ray's start (15 s) and then each
-    replica's constructor traceback, logged by Serve's controller (150 lines), before the one line that says why."""
+@pytest.mark.parametrize(("name", "content", "refusal"), [
+    ("no-such-model.gguf", None, "model path does not exist: {path}"),
+    ("cut.gguf", b"GGUF\x03\x00\x00\x00", "cannot read {path} as a GGUF file"),
+    ("notes.gguf", b"hello", "cannot read {path} as a GGUF file: no GGUF magic bytes"),
+])  # fmt: skip
+def test_a_local_clusters_model_file_a_replica_would_refuse_is_said_before_ray_starts(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, content: bytes | None, refusal: str) -> None:
+    """The replicas of a local Ray run on this machine: a mistyped path or a damaged file was Ray's start (15 s) and
+    then each replica's constructor traceback, logged by Serve's controller (150 lines), before the one line that
+    says why."""
     from engine.config import ClusterConfig, EngineConfig, SluiceConfig
     from web.cluster import launch
 
@@ -118,7 +124,9 @@ def test_a_local_clusters_model_path_that_is_not_there_is_said_before_ray_starts
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(launch.ray, "init", init)
-    missing = tmp_path / "no-such-model.gguf"
-    config = SluiceConfig(engine=EngineConfig(model=str(missing)), cluster=ClusterConfig(replicas=2))
-    with pytest.raises(ValueError, match=f"^model path does not exist: {missing}$"):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    config = SluiceConfig(engine=EngineConfig(model=str(path)), cluster=ClusterConfig(replicas=2))
+    with pytest.raises(ValueError, match=f"^{refusal.format(path=path)}"):
         launch.launch_replicas(config)

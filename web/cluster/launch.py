@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.serve.api import RunTarget
 
-from engine.checkpoint.source import model_path
+from engine.checkpoint.source import open_checkpoint
 from engine.config import SluiceConfig
 from web.cluster.replica import EngineReplica
 
@@ -104,8 +104,8 @@ def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | N
     installs a native SIGTERM handler that the server takes back)."""
     cluster = config.cluster
     started_ray = False
-    if not cluster.ray_address:  # the replicas will run here: a path that is not there is said before Ray starts
-        model_path(config.engine.model, config.engine.cache_path)
+    if not cluster.ray_address:  # the replicas will run here: a file they would refuse is said before Ray starts
+        open_checkpoint(config.engine.model, config.engine.cache_path)  # its header only: ~20 ms
     if before_ray_start is not None and not cluster.ray_address and not ray.is_initialized():
         before_ray_start()
     if not ray.is_initialized():
