@@ -130,3 +130,17 @@ def test_a_local_clusters_model_file_a_replica_would_refuse_is_said_before_ray_s
     config = SluiceConfig(engine=EngineConfig(model=str(path)), cluster=ClusterConfig(replicas=2))
     with pytest.raises(ValueError, match=f"^{refusal.format(path=path)}"):
         launch.launch_replicas(config)
+
+
+def test_a_local_clusters_chat_template_that_cannot_be_read_is_said_before_ray_starts(
+        monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:  # fmt: skip
+    from engine.config import ClusterConfig, EngineConfig, SluiceConfig
+    from web.cluster import launch
+
+    def init(**kwargs: object) -> None:
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(launch.ray, "init", init)
+    engine = EngineConfig(model=str(tiny_llama_dir), chat_template="no/such/template.jinja")
+    with pytest.raises(ValueError, match="^chat_template: no file 'no/such/template.jinja'"):
+        launch.launch_replicas(SluiceConfig(engine=engine, cluster=ClusterConfig(replicas=2)))

@@ -21,6 +21,7 @@ from ray.serve.api import RunTarget
 
 from engine.checkpoint.source import open_checkpoint
 from engine.config import SluiceConfig
+from engine.models.chat_templates import read_chat_template
 from web.cluster.replica import EngineReplica
 
 logger = logging.getLogger("sluice.cluster")
@@ -106,6 +107,8 @@ def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | N
     started_ray = False
     if not cluster.ray_address:  # the replicas will run here: a file they would refuse is said before Ray starts
         open_checkpoint(config.engine.model, config.engine.cache_path)  # its header only: ~20 ms
+        if config.engine.chat_template:
+            read_chat_template(config.engine.chat_template)
     if before_ray_start is not None and not cluster.ray_address and not ray.is_initialized():
         before_ray_start()
     if not ray.is_initialized():
