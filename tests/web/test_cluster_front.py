@@ -141,6 +141,19 @@ def test_a_replica_that_failed_shows_no_stale_load() -> None:
     assert body["state"] == "unavailable" and body["pid"] == 42 and "load" not in body and not body["ready"]
 
 
+def answer_stats_from(reports: dict[int, list[ReplicaStats | None]], *slots: ReplicaSlot) -> None:
+    """Each slot's handle answers stats() with its replica's next report (None: the actor died)."""
+
+    async def answer(index: int) -> ReplicaStats:
+        stats = reports[index].pop(0)
+        if stats is None:
+            raise RuntimeError("the actor died")
+        return stats
+
+    for s in slots:
+        s.handle.stats = SimpleNamespace(remote=partial(answer, s.index))
+
+
 def test_the_preemption_count_never_goes_down_when_a_replica_is_replaced() -> None:
     """A Prometheus counter only goes up: a replica that dies keeps its count, and its replacement's adds to it."""
 
@@ -153,15 +166,7 @@ def test_the_preemption_count_never_goes_down_when_a_replica_is_replaced() -> No
     engine = front_with(slot, other)
     reports = {0: [report(7, "ready", 4), None, report(8, "loading", 0), report(8, "ready", 3)],
                1: [report(9, "ready", 4)] * 4}  # fmt: skip
-
-    async def answer(index: int) -> ReplicaStats:
-        stats = reports[index].pop(0)
-        if stats is None:
-            raise RuntimeError("the actor died")
-        return stats
-
-    for s in (slot, other):
-        s.handle.stats = SimpleNamespace(remote=partial(answer, s.index))
+    answer_stats_from(reports, slot, other)
     seen = []
     for _ in range(4):
         anyio.run(engine._poll_once)
@@ -182,15 +187,7 @@ def test_speculation_counters_are_summed_over_replicas_and_never_go_down() -> No
     slot, other = ReplicaSlot(0, FakeHandle()), ReplicaSlot(1, FakeHandle())
     engine = front_with(slot, other)
     reports = {0: [report(7, 5), None, report(8, 2)], 1: [report(9, 3)] * 3}
-
-    async def answer(index: int) -> ReplicaStats:
-        stats = reports[index].pop(0)
-        if stats is None:
-            raise RuntimeError("the actor died")
-        return stats
-
-    for s in (slot, other):
-        s.handle.stats = SimpleNamespace(remote=partial(answer, s.index))
+    answer_stats_from(reports, slot, other)
     seen = []
     for _ in range(3):
         anyio.run(engine._poll_once)
