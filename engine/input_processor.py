@@ -240,10 +240,17 @@ def _check_unicode(messages: list[Mapping[str, Any]]) -> None:
                                  param="messages") from None  # fmt: skip
 
 
-def _first_line(error: BaseException) -> str:
-    """A template's own message, without the traceback-like detail some jinja errors carry."""
+def _first_line(error: BaseException, max_chars: int = 200) -> str:
+    """A template's own message, without the traceback-like detail some jinja errors carry; a long one is cut at a
+    word's end (it may echo a message's text)."""
     text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    line = text[0]
+    if len(line) <= max_chars:
+        return line
+    cut = line[:max_chars]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + " ..."
 
 
 def _subject(param: str) -> str:

@@ -39,3 +39,12 @@ def test_a_template_file_that_is_not_text_is_named(tiny_llama_dir: Path, tmp_pat
     path.write_bytes(b"\xff\xfe\x00 {{ x }}")
     with pytest.raises(ValueError, match="binary.jinja cannot be read as UTF-8 text"):
         make_llm(tiny_llama_dir, chat_template=str(path))
+
+
+def test_a_templates_long_refusal_is_cut_at_a_words_end(tiny_llama_dir: Path) -> None:
+    refusing = "{{ raise_exception('no: ' + messages[0]['content']) }}"
+    llm = make_llm(tiny_llama_dir, chat_template=refusing)
+    with pytest.raises(ValueError, match="the chat template rejected the messages") as raised:
+        llm.chat([{"role": "user", "content": "word " * 100}], use_tqdm=False)
+    message = str(raised.value)
+    assert message.endswith("word ...") and len(message) < 300, message
