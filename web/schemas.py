@@ -221,15 +221,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-def check_text_parts(messages: list[ChatMessage]) -> None:
-    """400 naming a part without the text its type calls for ("text" of a text part, "refusal" of a refusal)."""
-    for i, message in enumerate(messages):
-        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-            if part.content is None:
-                param = f"messages.{i}.content.{j}.{part.field}"
-                raise APIError(400, f"{param}: Field required", param=param)
-
-
 class FunctionSpec(BaseModel):
     model_config = StrictModel
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -268,9 +259,13 @@ class ChatTemplateFields(BaseModel):
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """400 for a message OpenAI refuses: a text part without its text, no content, a tool result without its id."""
-    check_text_parts(messages)
+    """400 for a message OpenAI refuses: a part without the text its type calls for ("text" of a text part,
+    "refusal" of a refusal), no content, a tool result without its id."""
     for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if part.content is None:
+                param = f"messages.{i}.content.{j}.{part.field}"
+                raise APIError(400, f"{param}: Field required", param=param)
         # OpenAI's rule: only an assistant's message that made tool calls may come without content
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             raise APIError(400, f"messages.{i}.content: required in a message of role {message.role!r}",
