@@ -35,6 +35,7 @@ from engine.errors import InvalidRequest
 from engine.input_processor import Prompt, PreparedRequest
 from engine.input_slot import InputSlot, chat_size, prompt_size, with_grammar
 from engine.outputs import FinishReason, RequestOutput
+from engine.reasoning_parser import ReasoningSyntax
 from engine.request import OutputStream, Request, RequestState, abort_abandoned
 from engine.sampling_params import SamplingParams
 from engine.speculative.stats import ProposerCounts
@@ -187,6 +188,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self._loaded_engine().max_model_len
+
+    @property
+    def reasoning_syntax(self) -> ReasoningSyntax | None:
+        """The configured reasoning parser's markers (None: off)."""
+        return self._loaded_engine().reasoning_syntax
 
     def stats(self) -> EngineStats:
         engine = self._engine

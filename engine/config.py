@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from engine.reasoning_parser import reasoning_syntax
 from engine.speculative.speculator import SpeculativeConfig
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
@@ -37,6 +38,7 @@ class EngineConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     chat_template: str = ""  # "" = the model's own; else a Jinja file's path or the template's text
+    reasoning_parser: str = ""  # "" = off; "qwen3" | "deepseek_r1": the thought split from the answer
     cache_dir: str = "~/.cache/sluice"
     num_threads: int = 0  # 0 = torch's default
     quantize: str = "auto"  # "auto": the native step / weight-only quantised kernels; "none": dense only;
@@ -72,6 +74,9 @@ class EngineConfig:
             raise ValueError(f"num_threads must be in [0, {MAX_THREADS}] (0: one a core), got {self.num_threads}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {self.quantize!r}")
+        if not isinstance(self.reasoning_parser, str):
+            raise ValueError(f"reasoning_parser must be a string, got {self.reasoning_parser!r}")
+        reasoning_syntax(self.reasoning_parser)  # an unknown name: the choices
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         self.speculative_config  # checks the speculative_* keys

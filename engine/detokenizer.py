@@ -1,4 +1,5 @@
-"""Incremental detokenization: well-formed UTF-8 deltas, stop strings held back until they cannot match."""
+"""Incremental detokenization: well-formed UTF-8 deltas, stop strings (and a reasoning parser's markers) held back
+until they cannot match."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ class IncrementalDetokenizer:
     """Turns one token at a time into text deltas.
 
     `tokenizers`' DecodeStream holds back bytes of a character split across tokens; this class adds the
-    stop-string logic: the longest tail of the text that could still begin a stop string is held back.
+    stop-string logic: the longest tail of the text that could still begin a stop string is held back. Markers
+    (a reasoning parser's <think> and </think>) are held back the same way but never stop the output, so that
+    every delta holds a marker whole or not at all.
     """
 
     def __init__(
@@ -30,11 +33,14 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
+        markers: tuple[str, ...] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._stream = _primed_stream(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = stop
         self._include_stop = include_stop_str_in_output
+        self._markers = markers
+        self._stop_and_markers = (*stop, *markers)
         self._skip_special_tokens = skip_special_tokens
         self._byte_level = is_byte_level(tokenizer)  # asked once: held tokens ask for their bytes on every step
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
@@ -101,18 +107,19 @@ class IncrementalDetokenizer:
         return head + codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=not is_cut)
 
     def _emit(self, text: str, can_stop: bool) -> tuple[str, str | None]:
-        if not self._stop or not can_stop:
+        can_stop = can_stop and bool(self._stop)
+        if not can_stop and not self._markers:
             self._held = ""
             self.text += text
             return text, None
-        match = self._find_stop(text)
+        match = self._find_stop(text) if can_stop else None
         if match is not None:
             index, stop = match
             delta = text[: index + len(stop)] if self._include_stop else text[:index]
             self._held = ""
             self.text += delta
             return delta, stop
-        num_held = self._num_possible_stop_start(text)
+        num_held = self._num_possible_stop_start(text, self._stop_and_markers if can_stop else self._markers)
         delta, self._held = text[: len(text) - num_held], text[len(text) - num_held :]
         self.text += delta
         return delta, None
@@ -125,15 +132,15 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         return best
 
-    def _num_possible_stop_start(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of some stop string.
+    def _num_possible_stop_start(self, text: str, held_for: tuple[str, ...]) -> int:
+        """Length of the longest suffix of text that is a proper prefix of some string of held_for.
 
         Only suffixes starting with a stop string's first character are compared, so a token costs a few
         C-level searches per stop string rather than one comparison per possible length (16 stop strings of
         256 characters would otherwise be ~4,000 Python-level calls per token, on the event loop).
         """
         longest = 0
-        for stop in self._stop:
+        for stop in held_for:
             start = len(text) - min(len(stop) - 1, len(text))
             index = text.find(stop[0], start)
             while index != -1 and len(text) - index > longest:

@@ -24,6 +24,7 @@ from engine.loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.output_processor import STRUCTURED_OUTPUT_FAILED, GrammarViolation, OutputProcessor
 from engine.outputs import FinishReason, RequestOutput
+from engine.reasoning_parser import marker_token_ids, reasoning_syntax
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Sequence
@@ -54,6 +55,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.reasoning_syntax = reasoning_syntax(config.reasoning_parser)
+        if self.reasoning_syntax is not None:  # the markers must come out as text: else the start fails here
+            marker_token_ids(self.tokenizer, self.reasoning_syntax)
+        # Held back by every detokenizer while they may be partial: the web layer's splitter sees them whole.
+        self._held_markers = self.reasoning_syntax.markers if self.reasoning_syntax is not None else ()
         kv_capacity = config.num_kv_blocks * config.block_size
         self.max_model_len = min(config.max_model_len, loaded.max_position_embeddings, kv_capacity)
         is_cut_by_pool = self.max_model_len < min(config.max_model_len, loaded.max_position_embeddings)
@@ -284,6 +290,7 @@ class LLMEngine:
             params.stop,
             params.include_stop_str_in_output,
             params.skip_special_tokens,
+            self._held_markers,
         )
 
     def _fork(self, parent: Sequence) -> None:

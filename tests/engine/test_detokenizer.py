@@ -168,8 +168,7 @@ def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
 )
 def test_held_back_tail_is_the_longest_possible_stop_start(text, stops):
     detok = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
-    detok._stop = stops
-    assert detok._num_possible_stop_start(text) == _longest_stop_prefix_suffix(text, stops)
+    assert detok._num_possible_stop_start(text, tuple(stops)) == _longest_stop_prefix_suffix(text, stops)
 
 
 def test_a_stop_string_a_literal_replacement_character_completes_ends_the_output_at_once(tokenizer):

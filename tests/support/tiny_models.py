@@ -37,6 +37,9 @@ CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen 3's thought markers: added tokens that are not special (151667 / 151668 in the real vocabulary), so that
+# output text shows them.
+THINK_TOKENS = ["<think>", "</think>"]
 
 
 def build_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
@@ -108,9 +111,16 @@ def _randomise_norms(model: torch.nn.Module, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
+def build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with Qwen 3's <think> and </think> as single tokens (the last two ids: 384 in all)."""
+    tokenizer = build_tokenizer(vocab_size=384 - len(THINK_TOKENS))
+    tokenizer.add_tokens(THINK_TOKENS)
+    return tokenizer
+
+
 def save_tiny_qwen3(path: Path, seed: int = 0, **overrides) -> Path:
     """Qwen 3: Llama plus an RMSNorm over each query and key head."""
-    tokenizer = build_tokenizer()
+    tokenizer = build_qwen3_tokenizer()
     defaults = dict(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
