@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ import orjson
 
 from engine.batch import SampledToken
 from engine.outputs import ChoiceOutput, FinishReason, RequestOutput
+from engine.reasoning_parser import ReasoningSplitter, split_whole
 from engine.request import Request
 from web.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from web.tool_calls import ArgumentsPiece, ToolCallHeader, ToolCallParser
@@ -22,6 +24,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int | None = None  # with a reasoning parser: the completion's tokens inside the thought
 
     @classmethod
     def of_choices(cls, choices: list[ChoiceOutput]) -> Usage:
@@ -46,12 +49,15 @@ class Usage:
                    sum(u.cached_tokens for u in usages))  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.reasoning_tokens is not None:  # OpenAI's field (vLLM has none)
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +122,23 @@ class ChatResponses(_Responses):
         super().__init__(*args, **kwargs)
         self._tool_syntax: CallSyntax | None = None  # set when the output may hold tool calls
         self._tool_parsers: dict[int, ToolCallParser] = {}  # per choice index
+        self._new_splitter: Callable[[], ReasoningSplitter] | None = None  # set with a reasoning parser
+        self._splitters: dict[int, ReasoningSplitter] = {}  # per choice index
 
     def read_tool_calls(self, syntax: CallSyntax) -> None:
         self._tool_syntax = syntax
+
+    def read_reasoning(self, new_splitter: Callable[[], ReasoningSplitter] | None) -> None:
+        """Split each choice's thought from its answer (reasoning_content and reasoning, then content)."""
+        self._new_splitter = new_splitter
+
+    def _splitter(self, index: int) -> ReasoningSplitter | None:
+        if self._new_splitter is None:
+            return None
+        splitter = self._splitters.get(index)
+        if splitter is None:
+            splitter = self._splitters[index] = self._new_splitter()
+        return splitter
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if self._tool_syntax is None:
@@ -141,20 +161,51 @@ class ChatResponses(_Responses):
 
     def delta_chunks(self, output: RequestOutput) -> list[dict]:
         logprobs = chat_logprobs(output.logprobs, self.token_text) if self.wants_logprobs and output.logprobs else None
+        text, splitter = output.text_delta, self._splitter(output.index)
+        if splitter is not None:
+            return self._split_delta_chunks(output, splitter, logprobs)
         parser = self._parser(output.index)
         if parser is None:
-            if not output.text_delta and logprobs is None:
+            if not text and logprobs is None:
                 return []
-            return [self._delta({"content": output.text_delta}, logprobs=logprobs, index=output.index)]
-        events = parser.feed(output.text_delta)
+            return [self._delta({"content": text}, logprobs=logprobs, index=output.index)]
+        return self._chunks(_event_deltas(self._tool_events(parser, text, output.finished)), logprobs, output.index)
+
+    def _split_delta_chunks(self, output: RequestOutput, splitter: ReasoningSplitter, logprobs: Any) -> list[dict]:
+        """The thought's text as reasoning_content (and vLLM 0.18's name, reasoning), the rest as content or
+        tool calls: markers in neither."""
+        reasoning, text = splitter.feed(output.text_delta, output.new_token_ids)
         if output.finished:
+            more_reasoning, more_text = splitter.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        parser = self._parser(output.index)
+        if parser is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            deltas = _event_deltas(self._tool_events(parser, text, output.finished))
+        if reasoning:
+            if deltas and "content" in deltas[0]:
+                deltas[0] = {"reasoning_content": reasoning, "reasoning": reasoning, **deltas[0]}
+            else:
+                deltas.insert(0, {"reasoning_content": reasoning, "reasoning": reasoning})
+        if logprobs is not None and not deltas:  # the tokens' logprobs go out even where their text is a marker
+            deltas = [{"reasoning_content": "", "reasoning": ""} if splitter.is_in_thought else {"content": ""}]
+        return self._chunks(deltas, logprobs, output.index)
+
+    @staticmethod
+    def _tool_events(parser: ToolCallParser, text: str, is_finished: bool) -> list[ParserEvent]:
+        events = parser.feed(text)
+        if is_finished:
             events += parser.finish()
-        deltas = _event_deltas(events)
-        if logprobs is not None and not deltas:
-            deltas = [{"content": ""}]
-        return [
-            self._delta(d, logprobs=logprobs if i == 0 else None, index=output.index) for i, d in enumerate(deltas)
-        ]
+        return events
+
+    def _chunks(self, deltas: list[dict[str, Any]], logprobs: Any, index: int) -> list[dict]:
+        return [self._delta(d, logprobs=logprobs if i == 0 else None, index=index) for i, d in enumerate(deltas)]
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        if self._new_splitter is not None:
+            usage.reasoning_tokens = sum(s.num_reasoning_tokens for s in self._splitters.values())
+        return super().usage_chunk(usage)
 
     def finish_chunk(self, finish_reason: FinishReason, index: int = 0, stop_reason: str | int | None = None) -> dict:
         chunk = self._delta({}, self._finish_reason(finish_reason, self._parser(index)), index=index)
@@ -171,14 +222,23 @@ class ChatResponses(_Responses):
 
     def full_response(self, results: list[ChoiceOutput]) -> dict:
         """results: the request's choices, in index order."""
-        return self._response([self._choice(i, r) for i, r in enumerate(results)], Usage.of_choices(results))
+        choices = [self._choice(i, r) for i, r in enumerate(results)]
+        usage = Usage.of_choices(results)
+        if self._new_splitter is not None:
+            usage.reasoning_tokens = sum(s.num_reasoning_tokens for s in self._splitters.values())
+        return self._response(choices, usage)
 
     def _choice(self, index: int, result: ChoiceOutput) -> dict[str, Any]:
         logprobs = chat_logprobs(result.logprobs or [], self.token_text) if self.wants_logprobs else None
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        text, splitter = result.text, self._splitter(index)
+        if splitter is not None:  # reasoning_content as DeepSeek's API, SGLang and llama.cpp; reasoning as vLLM 0.18
+            reasoning, content = split_whole(splitter, result.text, result.token_ids)
+            message.update(content=content, reasoning_content=reasoning, reasoning=reasoning)
+            text = content or ""
         parser = self._parser(index)
         if parser is not None:
-            events = parser.feed(result.text) + parser.finish()
+            events = parser.feed(text) + parser.finish()
             content = "".join(e for e in events if isinstance(e, str))
             message["content"] = content or None
             if parser.calls:

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from quart import current_app
 
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
+from engine.reasoning_parser import ReasoningSplitter, first_phase, marker_token_ids
 from web.errors import APIError
 from web.logprobs import TokenText
 from web.metrics import ServerMetrics
 from web.responses_api.store import ResponseStore
 from web.tool_calls import ToolFormat, detect_tool_format
+
+
+# "<think>\n\n</think>\n\n" is 4 tokens in Qwen 3's vocabulary, and more where the markers are not single tokens.
+PROMPT_TAIL_TOKENS = 16
 
 
 @dataclass
@@ -24,6 +31,7 @@ class Services:
     _token_text: TokenText | None = None
     _tool_format: ToolFormat | None = None
     _marker_tokens: dict[str, int] | None = None
+    _thought_marker_tokens: dict[str, int] | None = None
     response_store: ResponseStore = field(init=False)  # /v1/responses kept for GET and previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's: when this server started
 
@@ -57,6 +65,19 @@ class Services:
             added = self.engine.tokenizer.get_added_vocab()
             self._marker_tokens = {m: added[m] for m in self.tool_format.markers if m in added}
         return self._marker_tokens
+
+    def reasoning_splitters(self, prompt_token_ids: list[int]) -> Callable[[], ReasoningSplitter] | None:
+        """With a reasoning parser configured: a maker of one choice's splitter, its first phase read from the
+        prompt's last tokens (a template may open the thought, or close it: Qwen 3's enable_thinking false)."""
+        syntax = self.engine.reasoning_syntax
+        if syntax is None:
+            return None
+        if self._thought_marker_tokens is None:
+            self._thought_marker_tokens = marker_token_ids(self.engine.tokenizer, syntax)
+        tail = self.engine.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        token_text = self.token_text
+        return partial(ReasoningSplitter, syntax, first_phase(syntax, tail),
+                       self._thought_marker_tokens.get(syntax.end), lambda token_id: token_text(token_id)[0])  # fmt: skip
 
     def check_model(self, requested: str) -> str:
         served = self.model_name

@@ -31,6 +31,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from engine.async_engine import EngineState, EngineUnavailable, QueueFull, Reservation, log_drained
 from engine.config import SluiceConfig
+from engine.reasoning_parser import ReasoningSyntax, reasoning_syntax
 from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.input_slot import InputSlot, chat_size, prompt_size, with_grammar
@@ -143,6 +144,11 @@ class ClusterEngine:
     @property
     def max_model_len(self) -> int:
         return self._loaded().max_model_len
+
+    @property
+    def reasoning_syntax(self) -> ReasoningSyntax | None:
+        """The replicas' reasoning parser (their detokenizers hold its markers back, as one process's does)."""
+        return reasoning_syntax(self.config.engine.reasoning_parser)
 
     async def prepare_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         processor = self._ready()
