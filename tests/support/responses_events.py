@@ -31,6 +31,11 @@ def check_event_grammar(events: list[dict[str, Any]]) -> dict[str, Any]:
             item["text"] += event["delta"]
         elif kind == "response.output_text.done":
             assert event["text"] == item["text"]
+        elif kind == "response.reasoning_text.delta":
+            assert item["type"] == "reasoning" and event["item_id"] == item["id"] and event["content_index"] == 0
+            item["text"] += event["delta"]
+        elif kind == "response.reasoning_text.done":
+            assert item["type"] == "reasoning" and event["text"] == item["text"]
         elif kind == "response.function_call_arguments.delta":
             assert item["type"] == "function_call" and event["item_id"] == item["id"]
             item["args"] += event["delta"]
@@ -40,7 +45,7 @@ def check_event_grammar(events: list[dict[str, Any]]) -> dict[str, Any]:
             done.add(index)
             final = event["item"]
             assert final["id"] == item["id"] and final["status"] in ("completed", "incomplete")
-            if final["type"] == "message":
+            if final["type"] in ("message", "reasoning"):
                 assert final["content"][0]["text"] == item["text"]
             else:
                 assert final["arguments"] == item["args"] and final["call_id"] == item["call_id"]

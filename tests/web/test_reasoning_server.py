@@ -5,7 +5,7 @@ llguidance takes added tokens (it refuses a literal "<think>" spelt by the <thin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -15,7 +15,9 @@ import pytest
 
 from engine.outputs import ChoiceOutput, FinishReason, RequestOutput
 from engine.reasoning_parser import REASONING_PARSERS, Phase, ReasoningSplitter
-from tests.support.server_harness import ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config
+from tests.support.responses_events import check_event_grammar
+from tests.support.server_harness import (ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config,
+                                         wrapped_execute)
 from web.responses import ChatResponses
 from web.tool_calls.formats import HERMES
 
@@ -199,3 +201,43 @@ def _whole_markers(pieces: list[str]) -> list[str]:
         else:
             joined.append(piece)
     return joined
+
+
+def scripted(script: list[int]) -> Callable[[Callable], Callable]:
+    """A forward pass whose sampled tokens are the script's, by each sequence's output position (one request at a
+    time, no speculation): the Responses API has no grammar to force a thought with."""
+
+    def wrap(execute: Callable) -> Callable:
+        def scripted_execute(plan: Any) -> Any:
+            output = execute(plan)
+            for chunk, token in zip([c for c in plan.chunks if c.is_sampling], output.sampled):
+                token.token_id = script[min(chunk.seq.num_output_tokens, len(script) - 1)]
+            return output
+
+        return scripted_execute
+
+    return wrap
+
+
+def test_the_responses_api_puts_the_thought_in_a_reasoning_item_before_the_message(server: ThreadedServer) -> None:
+    tokenizer = server.engine.tokenizer
+    script = [START, *tokenizer.encode("\nab"), END, *tokenizer.encode("\n\nok"), tokenizer.eos_token_id]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    body = {"model": MODEL, "input": "Hello world", "max_output_tokens": 32, "temperature": 0}
+    with wrapped_execute(server.engine, scripted(script)):
+        whole = client.responses.create(**body).model_dump()
+        events = [event.model_dump() for event in client.responses.create(**body, stream=True)]
+        turns = [{"role": "user", "content": "Hello world"}, *whole["output"], {"role": "user", "content": "And?"}]
+        again = client.responses.create(**{**body, "input": turns})
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "\nab"}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "\n\nok"
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 1 + len(tokenizer.encode("\nab")) + 1
+    final = check_event_grammar(events)
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == reasoning["content"] and final["output"][1]["content"] == message["content"]
+    assert final["usage"] == whole["usage"]
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "\nab" and not any("think>" in d for d in deltas)
+    assert again.status == "completed"  # a reasoning item sent back as input is taken (and left out of the prompt)

@@ -3,7 +3,8 @@ text deltas, each change told as a streaming event of the Responses API with its
 response object at every stage. The non-streaming answer is the same builder fed the whole text once, so both
 agree by construction.
 
-Items open lazily: a message when its first text arrives, a function call when the tool-call parser names it;
+Items open lazily: a message when its first text arrives, a function call when the tool-call parser names it, a
+reasoning item (with a reasoning parser: the model's thought, before its answer) when the thought's first text does;
 only one item is open at a time, and opening the next closes it. Every stream ends with exactly one terminal
 event: response.completed, response.incomplete (cut by max_output_tokens or the context) or response.failed.
 """
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from engine.outputs import FinishReason
+from engine.reasoning_parser import ReasoningSplitter
 from web.tool_calls import ArgumentsPiece, ToolCallHeader, ToolCallParser
 from web.tool_calls.parser import CallSyntax, ParserEvent
 
@@ -42,6 +45,15 @@ class ResponseBuilder:
         self.incomplete_details: dict[str, Any] | None = None
         self.completed_at: int | None = None
         self.usage: dict[str, Any] | None = None
+        self.splitter: ReasoningSplitter | None = None
+
+    def read_reasoning(self, new_splitter: Callable[[], ReasoningSplitter] | None) -> None:
+        """Split the thought from the answer: a reasoning item, then the message (or calls)."""
+        self.splitter = new_splitter() if new_splitter is not None else None
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.splitter.num_reasoning_tokens if self.splitter is not None else 0
 
     # -- events -----------------------------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> Event:
@@ -53,8 +65,15 @@ class ResponseBuilder:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]  # fmt: skip
 
-    def feed(self, text: str) -> list[Event]:
-        """The next piece of generated text: the events it makes (often one output_text delta)."""
+    def feed(self, text: str, token_ids: list[int] | None = None) -> list[Event]:
+        """The next piece of generated text (and its tokens): the events it makes (often one output_text delta)."""
+        events: list[Event] = []
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text, token_ids)
+            events += self._reasoning(reasoning) if reasoning else []
+        return events + self._answer(text)
+
+    def _answer(self, text: str) -> list[Event]:
         if self.parser is None:
             return self._content(text) if text else []
         events: list[Event] = []
@@ -66,11 +85,15 @@ class ResponseBuilder:
                error_code: str | None = None) -> list[Event]:  # fmt: skip
         """The output ended: flush the parser, close the open item, the terminal event (with the whole response)."""
         events: list[Event] = []
+        if self.splitter is not None:  # whitespace it held: the thought's, or the answer's
+            reasoning, text = self.splitter.finish()
+            events += self._reasoning(reasoning) if reasoning else []
+            events += self._answer(text)
         if self.parser is not None:
             for parsed in self.parser.finish():
                 events += self._parsed(parsed)
         is_whole = reason in (FinishReason.STOP, FinishReason.TOOL_CALLS)  # the engine says STOP; be safe
-        if not self.output and is_whole:  # an empty answer is still a message
+        if all(item["type"] == "reasoning" for item in self.output) and is_whole:  # an empty answer is a message
             events += self._open_message()
         events += self._close("completed" if is_whole else "incomplete")
         self.usage = usage
@@ -96,6 +119,20 @@ class ResponseBuilder:
         self._text.append(text)
         return [*events, self._event("response.output_text.delta", item_id=self._open["id"],  # type: ignore[index]
                                      output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[])]  # fmt: skip
+
+    def _reasoning(self, text: str) -> list[Event]:
+        events = [] if self._open is not None and self._open["type"] == "reasoning" else self._open_reasoning()
+        self._text.append(text)
+        return [*events, self._event("response.reasoning_text.delta", item_id=self._open["id"],  # type: ignore[index]
+                                     output_index=len(self.output) - 1, content_index=0, delta=text)]  # fmt: skip
+
+    def _open_reasoning(self) -> list[Event]:
+        events = self._close("completed")
+        item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+        self._open, self._text = item, []
+        self.output.append(item)
+        return [*events, self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                     item=dict(item, content=[]))]  # fmt: skip
 
     def _open_message(self) -> list[Event]:
         events = self._close("completed")
@@ -137,6 +174,12 @@ class ResponseBuilder:
                                    content_index=0, text=text, logprobs=[]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=_text_part(text))]  # fmt: skip
+        elif item["type"] == "reasoning":
+            text = "".join(self._text)
+            self._text = []
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=text))  # fmt: skip
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                       arguments=item["arguments"]))  # fmt: skip
@@ -167,14 +210,15 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
-    return {**item, "content": list(item["content"])} if item["type"] == "message" else dict(item)
+    return {**item, "content": list(item["content"])} if item["type"] in ("message", "reasoning") else dict(item)
 
 
-def usage_object(num_input_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+def usage_object(num_input_tokens: int, num_output_tokens: int, num_cached_tokens: int,
+                 num_reasoning_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
     return {
         "input_tokens": num_input_tokens,
         "input_tokens_details": {"cached_tokens": num_cached_tokens, "cache_write_tokens": 0},
         "output_tokens": num_output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
         "total_tokens": num_input_tokens + num_output_tokens,
     }

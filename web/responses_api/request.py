@@ -188,7 +188,8 @@ class ResponsesRequest(BaseModel):
         """The input as canonical items; a 400 naming input[i] for an item or part this server cannot take."""
         if isinstance(self.input, str):
             return [message("user", self.input)]
-        return [_input_item(raw, f"input[{i}]") for i, raw in enumerate(self.input)]
+        items = [_input_item(raw, f"input[{i}]") for i, raw in enumerate(self.input)]
+        return [item for item in items if item is not None]
 
     def constraint(self) -> StructuredOutputs | None:
         fmt = self.text_format()
@@ -246,10 +247,13 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-def _input_item(raw: Any, where: str) -> Item:
-    """The canonical item, keeping the id the client gave it (GET .../input_items shows it)."""
+def _input_item(raw: Any, where: str) -> Item | None:
+    """The canonical item, keeping the id the client gave it (GET .../input_items shows it); None for a reasoning
+    item (a past response's thought, sent back as clients send their output items): templates drop past thoughts."""
     if not isinstance(raw, dict):
         raise APIError(400, f"{where}: an input item must be an object, not {type(raw).__name__}", param=where)
+    if raw.get("type") == "reasoning":
+        return None
     item = _canonical_item(raw, where)
     if isinstance(raw.get("id"), str) and raw["id"]:
         item["id"] = raw["id"]

@@ -67,16 +67,17 @@ async def create_response() -> Response:
                 raise
             message = error.message.replace("the messages have", "the input has").replace("the messages", "the input")
             raise APIError(400, message, param="input", code=error.code) from None
+        builder.read_reasoning(s.reasoning_splitters(prepared.prompt_token_ids))
         outputs = reservation.generate(prepared)
     timer = RequestTimer(s.metrics, outputs.request)
     if body.stream:
         return event_stream_response(response_events(outputs, builder, timer, keep))
     (result,) = await collect(outputs, timer)
-    builder.feed(result.text)
+    builder.feed(result.text, result.token_ids)
     usage = Usage.of_choices([result])
     builder.finish(result.finish_reason, result.error,
-                   usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
-                   result.error_code)  # fmt: skip
+                   usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+                                builder.num_reasoning_tokens), result.error_code)  # fmt: skip
     keep(builder)
     if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
         raise failure_of(result)

@@ -40,7 +40,7 @@ async def response_events(
             reason, error, error_code = FinishReason.ERROR, "the request ended without a result", None
             async for output in outputs:
                 timer.observe(output)
-                events = builder.feed(output.text_delta)
+                events = builder.feed(output.text_delta, output.new_token_ids)
                 if output.finished:
                     reason, error = output.finish_reason or FinishReason.ERROR, output.error
                     error_code = output.error_code
@@ -52,7 +52,8 @@ async def response_events(
                 timer.end(FinishReason.ERROR)
             usage = Usage.of_request(outputs.request)
             events += builder.finish(reason, error, usage_object(usage.prompt_tokens, usage.completion_tokens,
-                                                                 usage.cached_tokens), error_code)  # fmt: skip
+                                                                 usage.cached_tokens, builder.num_reasoning_tokens),
+                                     error_code)  # fmt: skip
             on_finished(builder)
             yield encode_events(events)
     finally:
