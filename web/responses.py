@@ -161,9 +161,9 @@ class ChatResponses(_Responses):
 
     def delta_chunks(self, output: RequestOutput) -> list[dict]:
         logprobs = chat_logprobs(output.logprobs, self.token_text) if self.wants_logprobs and output.logprobs else None
-        text, splitter = output.text_delta, self._splitter(output.index)
-        if splitter is not None:
-            return self._split_delta_chunks(output, splitter, logprobs)
+        text = output.text_delta
+        if self._new_splitter is not None:  # a reasoning parser (off: nothing more per delta than this look)
+            return self._split_delta_chunks(output, self._splitter(output.index), logprobs)  # type: ignore[arg-type]
         parser = self._parser(output.index)
         if parser is None:
             if not text and logprobs is None:

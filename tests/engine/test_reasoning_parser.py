@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from engine import LLM
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.reasoning_parser import (REASONING_PARSERS, Phase, ReasoningSplitter, first_phase, marker_token_ids,
                                      reasoning_syntax, split_whole)  # fmt: skip
-from tests.support.tiny_models import build_qwen3_tokenizer, build_tokenizer
+from tests.support.tiny_models import build_qwen3_tokenizer, build_tokenizer, save_tiny_llama
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
 PLAIN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -142,3 +143,13 @@ def test_the_config_names_the_parsers_and_the_tokenizer_must_hold_the_markers() 
     with pytest.raises(ValueError, match="does not give '<think>' back as text"):
         marker_token_ids(special, QWEN3)
     assert marker_token_ids(build_tokenizer(), QWEN3) == {}  # as text only: fine, spelt in several tokens
+
+
+def test_the_start_fails_in_one_line_when_the_markers_are_not_text_of_the_model(tmp_path) -> None:
+    special = build_tokenizer()
+    special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    model_dir = save_tiny_llama(tmp_path / "special", tokenizer=special)
+    with pytest.raises(ValueError, match="reasoning_parser qwen3: the tokenizer does not give '<think>' back as text"):
+        LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, reasoning_parser="qwen3")
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64)  # off: no look at the markers
+    assert llm.engine.reasoning_syntax is None

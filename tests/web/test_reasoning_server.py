@@ -5,6 +5,9 @@ llguidance takes added tokens (it refuses a literal "<think>" spelt by the <thin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -16,7 +19,7 @@ import pytest
 from engine.outputs import ChoiceOutput, FinishReason, RequestOutput
 from engine.reasoning_parser import REASONING_PARSERS, Phase, ReasoningSplitter
 from tests.support.responses_events import check_event_grammar
-from tests.support.server_harness import (ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config,
+from tests.support.server_harness import (REPO, ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config,
                                          wrapped_execute)
 from web.responses import ChatResponses
 from web.tool_calls.formats import HERMES
@@ -241,3 +244,13 @@ def test_the_responses_api_puts_the_thought_in_a_reasoning_item_before_the_messa
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == "\nab" and not any("think>" in d for d in deltas)
     assert again.status == "completed"  # a reasoning item sent back as input is taken (and left out of the prompt)
+
+
+def test_an_unknown_parser_fails_the_start_in_one_line_naming_the_choices() -> None:
+    for args, env in ((["--reasoning-parser", "qwen"], {}), ([], {"SLUICE_REASONING_PARSER": "r1"})):
+        done = subprocess.run([sys.executable, "-m", "web.cli", "serve", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **env})  # fmt: skip
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"configuration error: reasoning_parser must be one of qwen3, deepseek_r1 or \"\" (off), got "
+            f"{(args[1:] or [env.get('SLUICE_REASONING_PARSER')])[0]!r}"]
