@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         self._stop_and_markers = (*stop, *markers)
         self._skip_special_tokens = skip_special_tokens
         self._byte_level = is_byte_level(tokenizer)  # asked once: held tokens ask for their bytes on every step
-        self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
+        self._held = ""  # decoded text not yet emitted: it may be the start of a stop string or a marker
         self._pending: list[int] = []  # tokens the stream holds: their text so far ends inside a character
         self.text = ""  # everything emitted so far
 
