@@ -360,3 +360,16 @@ def test_a_value_of_the_wrong_type_is_described_as_the_chat_endpoint_describes_i
     body = '{"model": "%s", %s}' % (MODEL, raw_fields)
     response = httpx.post(f"{server.base_url}/v1/responses", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["message"] == message, response.text
+
+
+def test_cancel_is_refused_as_openai_refuses_a_response_not_made_in_the_background(client: openai.OpenAI) -> None:
+    """The SDK's responses.cancel (POST /v1/responses/{id}/cancel): OpenAI cancels background responses only, and
+    this server makes none; a stored response gets that 400, an unknown id the store's 404 (not an unknown route)."""
+    created = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.cancel(created.id)
+    assert "background" in raised.value.body["message"]
+    assert client.responses.retrieve(created.id).status == created.status  # left as it was
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.cancel("resp_nope")
+    assert raised.value.body["message"] == "Response with id 'resp_nope' not found."

@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the Responses API
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST
+/v1/responses/{id}/cancel (refused, as OpenAI refuses it for a response not made in the background): the Responses API
 on the chat path's engine, admission, tool calls and structured outputs. A request becomes chat messages (its
 previous response's conversation, then its input), runs as one chat request, and is told as a response
 (web/responses_api/output.py)."""
@@ -126,6 +127,17 @@ async def delete_response(response_id: str) -> Response:
     if not s.response_store.delete(response_id, key_owner(s)):
         raise not_found(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+@blueprint.post("/v1/responses/<response_id>/cancel")
+async def cancel_response(response_id: str) -> Response:
+    """OpenAI cancels only responses made with background: true, which this server refuses to make: a stored
+    response is already finished, and a stream in progress stops when its client closes the connection."""
+    s = services()
+    if s.response_store.get(response_id, key_owner(s)) is None:
+        raise not_found(response_id)
+    raise APIError(400, "only responses created with background: true can be cancelled, and this server makes "
+                   "none: a streamed response stops when its client closes the connection")  # fmt: skip
 
 
 def not_found(response_id: str, param: str | None = None, code: str | None = None) -> APIError:
