@@ -373,3 +373,13 @@ def test_cancel_is_refused_as_openai_refuses_a_response_not_made_in_the_backgrou
     with pytest.raises(openai.NotFoundError) as raised:
         client.responses.cancel("resp_nope")
     assert raised.value.body["message"] == "Response with id 'resp_nope' not found."
+
+
+def test_null_store_and_parallel_tool_calls_mean_their_defaults(server: ThreadedServer) -> None:
+    """JSON null for a field is its default, as for every other field: store (true) keeps the response, and
+    parallel_tool_calls (true) is echoed true; null read as false lost the response for previous_response_id."""
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 2, "store": None, "parallel_tool_calls": None}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        created = http.post("/v1/responses", json=body).json()
+        assert created["store"] is True and created["parallel_tool_calls"] is True
+        assert http.get(f"/v1/responses/{created['id']}").status_code == 200

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.input_processor import join_text_parts
 from engine.sampling_params import SamplingParams
@@ -107,6 +107,12 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     reasoning: dict[str, Any] | None = None  # no reasoning to tune: accepted and ignored
     speculative: bool | None = True  # Sluice's, as on chat and completions: false, this request never speculates
+
+    @field_validator("store", "parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_is_true(cls, value: Any) -> Any:
+        """null is the default (true), as for every other field; read as false, it silently stored nothing."""
+        return True if value is None else value
 
     def check_supported(self) -> None:
         unsupported = [
