@@ -7,7 +7,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
+import orjson
 import pytest
 
 from tests.support.responses_events import check_event_grammar
@@ -89,3 +91,37 @@ def test_a_failed_forward_pass_ends_the_stream_with_response_failed(tmp_path: Pa
         # sampled: the tiny model may end on its EOS within the 3 tokens (completed) or be cut at them (incomplete)
         assert after.status in ("completed", "incomplete") and 1 <= after.usage.output_tokens <= 3
         assert server.engine.num_free_blocks == server.engine.num_total_blocks
+
+
+def test_a_stored_response_in_progress_is_found_and_said_to_be_in_progress(tmp_path: Path) -> None:
+    """store: true keeps a response from its response.created event on, as OpenAI does: GET shows it in_progress
+    (and its input items), previous_response_id is told it is still in progress (not that it does not exist),
+    DELETE waits for it to finish; a client that leaves takes it away with it (not stored, nothing held)."""
+    config = tiny_engine_config(tiny_tool_model(tmp_path), max_model_len=2048)
+    with ThreadedServer(llm_engine_loader(config), served_model_name=MODEL) as server:
+        store = server.app.extensions["sluice"].response_store
+        body = {"model": MODEL, "input": "Count", "max_output_tokens": 1000, "stream": True, "text": ENDLESS}
+        with wrapped_execute(server.engine, slowed(0.02)), httpx.Client(base_url=server.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/responses", json=body) as stream:
+                data = (line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: "))
+                response_id = orjson.loads(next(data))["response"]["id"]
+                shown = http.get(f"/v1/responses/{response_id}")
+                assert shown.status_code == 200 and shown.json()["status"] == "in_progress", shown.text
+                items = http.get(f"/v1/responses/{response_id}/input_items").json()["data"]
+                assert [item["content"][0]["text"] for item in items] == ["Count"]
+                follow = http.post("/v1/responses", json={"model": MODEL, "input": "And?",
+                                                          "previous_response_id": response_id})  # fmt: skip
+                assert follow.status_code == 400 and "still in progress" in follow.json()["error"]["message"]
+                assert follow.json()["error"]["param"] == "previous_response_id"
+                assert http.delete(f"/v1/responses/{response_id}").status_code == 400
+            wait_until(lambda: store.num_in_progress == 0, 10)
+            assert http.get(f"/v1/responses/{response_id}").status_code == 404  # it was left unfinished: not stored
+        whole = http_post_json(server, {**body, "stream": False, "text": None, "max_output_tokens": 2})
+        assert httpx.get(f"{server.base_url}/v1/responses/{whole['id']}").json()["status"] == whole["status"]
+        assert store.num_in_progress == 0
+
+
+def http_post_json(server: ThreadedServer, body: dict) -> dict:
+    response = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()

@@ -60,6 +60,16 @@ def model_dir(tmp_path_factory) -> Path:
     return tiny_tool_model(tmp_path_factory.mktemp("tiny_tools"))
 
 
+def test_a_response_in_progress_is_its_owners_until_it_ends() -> None:
+    store = ResponseStore(max_count=3, max_bytes=10_000, ttl=60)
+    store.begin("r", b"me", lambda: b"{}", b"[]")
+    assert store.in_progress("r", b"me") is not None and store.in_progress("r", b"other") is None
+    assert store.get("r", b"me") is None and store.num_in_progress == 1  # not stored until it is put
+    store.end("r")
+    store.end("r")  # idempotent: a finished stream and its client's leaving may both end it
+    assert store.in_progress("r", b"me") is None and store.num_in_progress == 0
+
+
 def test_a_flood_of_large_stored_responses_stays_within_the_caps(model_dir: Path) -> None:
     max_bytes = 100_000
     config = tiny_engine_config(model_dir, max_model_len=2048, num_kv_blocks=1024)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -71,15 +73,19 @@ async def create_response() -> Response:
         builder.read_reasoning(s.reasoning_splitters(prepared.prompt_token_ids))
         outputs = reservation.generate(prepared)
     timer = RequestTimer(s.metrics, outputs.request)
+    progress: AbstractContextManager[None] = (
+        shown_in_progress(s.response_store, builder, owner, items) if body.store else nullcontext()
+    )
     if body.stream:
-        return event_stream_response(response_events(outputs, builder, timer, keep))
-    (result,) = await collect(outputs, timer)
-    builder.feed(result.text, result.token_ids)
-    usage = Usage.of_choices([result])
-    builder.finish(result.finish_reason, result.error,
-                   usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
-                                builder.num_reasoning_tokens), result.error_code)  # fmt: skip
-    keep(builder)
+        return event_stream_response(response_events(outputs, builder, timer, keep, progress))
+    with progress:
+        (result,) = await collect(outputs, timer)
+        builder.feed(result.text, result.token_ids)
+        usage = Usage.of_choices([result])
+        builder.finish(result.finish_reason, result.error,
+                       usage_object(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+                                    builder.num_reasoning_tokens), result.error_code)  # fmt: skip
+        keep(builder)
     if result.finish_reason is None or result.finish_reason is FinishReason.ERROR:
         raise failure_of(result)
     return json_response(builder.response())
@@ -90,20 +96,28 @@ async def get_response(response_id: str) -> Response:
     s = services()
     if request.args.get("stream", "false").lower() not in ("false", "0"):
         raise APIError(400, "streaming a stored response again is not supported", param="stream")
-    stored = s.response_store.get(response_id, key_owner(s))
-    if stored is None:
+    owner = key_owner(s)
+    stored = s.response_store.get(response_id, owner)
+    if stored is not None:
+        return Response(stored.body, status=200, content_type="application/json")
+    in_progress = s.response_store.in_progress(response_id, owner)
+    if in_progress is None:
         raise not_found(response_id)
-    return Response(stored.body, status=200, content_type="application/json")
+    return Response(in_progress.body(), status=200, content_type="application/json")
 
 
 @blueprint.get("/v1/responses/<response_id>/input_items")
 async def list_input_items(response_id: str) -> Response:
     """OpenAI's list: `limit` (1-100, default 20), `order` ("desc", the default, or "asc"), `after` (an item id)."""
     s = services()
-    stored = s.response_store.get(response_id, key_owner(s))
-    if stored is None:
+    owner = key_owner(s)
+    stored, in_progress = s.response_store.get(response_id, owner), s.response_store.in_progress(response_id, owner)
+    if stored is not None:
+        items = listed_input_items(orjson.loads(stored.conversation)[: stored.num_input_items])
+    elif in_progress is not None:
+        items = listed_input_items(orjson.loads(in_progress.conversation))
+    else:
         raise not_found(response_id)
-    items = listed_input_items(orjson.loads(stored.conversation)[: stored.num_input_items])
     limit, order, after = request.args.get("limit", "20"), request.args.get("order", "desc"), request.args.get("after")
     if not limit.isdecimal() or not 1 <= int(limit) <= 100:
         raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
@@ -124,17 +138,21 @@ async def list_input_items(response_id: str) -> Response:
 @blueprint.delete("/v1/responses/<response_id>")
 async def delete_response(response_id: str) -> Response:
     s = services()
-    if not s.response_store.delete(response_id, key_owner(s)):
+    owner = key_owner(s)
+    if s.response_store.in_progress(response_id, owner) is not None:
+        raise APIError(400, f"Response with id {response_id!r} is still in progress: delete it once it has finished")
+    if not s.response_store.delete(response_id, owner):
         raise not_found(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 @blueprint.post("/v1/responses/<response_id>/cancel")
 async def cancel_response(response_id: str) -> Response:
-    """OpenAI cancels only responses made with background: true, which this server refuses to make: a stored
-    response is already finished, and a stream in progress stops when its client closes the connection."""
+    """OpenAI cancels only responses made with background: true, which this server refuses to make: a response
+    in progress here stops when its client closes the connection."""
     s = services()
-    if s.response_store.get(response_id, key_owner(s)) is None:
+    owner = key_owner(s)
+    if s.response_store.get(response_id, owner) is None and s.response_store.in_progress(response_id, owner) is None:
         raise not_found(response_id)
     raise APIError(400, "only responses created with background: true can be cancelled, and this server makes "
                    "none: a streamed response stops when its client closes the connection")  # fmt: skip
@@ -156,9 +174,26 @@ def previous_conversation(store: ResponseStore, response_id: str | None, owner: 
     if response_id is None:
         return []
     stored = store.get(response_id, owner)
-    if stored is None:
-        raise not_found(response_id, param="previous_response_id", code="previous_response_not_found")
-    return orjson.loads(stored.conversation)
+    if stored is not None:
+        return orjson.loads(stored.conversation)
+    if store.in_progress(response_id, owner) is not None:
+        raise APIError(400, f"Response with id {response_id!r} is still in progress: continue from it once it has "
+                       "finished", param="previous_response_id", code="previous_response_in_progress")  # fmt: skip
+    raise not_found(response_id, param="previous_response_id", code="previous_response_not_found")
+
+
+@contextmanager
+def shown_in_progress(store: ResponseStore, builder: ResponseBuilder, owner: bytes | None,
+                      items: list[Item]) -> Iterator[None]:  # fmt: skip
+    """While the response is made, GET, input_items and previous_response_id find it in progress."""
+    if store.max_count == 0:
+        yield
+        return
+    store.begin(builder.id, owner, lambda: orjson.dumps(builder.response()), orjson.dumps(with_ids(builder.id, items)))
+    try:
+        yield
+    finally:
+        store.end(builder.id)
 
 
 def store_response(store: ResponseStore, builder: ResponseBuilder, owner: bytes | None, items: list[Item]) -> None:

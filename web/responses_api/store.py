@@ -5,6 +5,10 @@ The oldest go first (insertion order is age order). Each entry is kept as serial
 and the conversation a continuation prepends), so what is counted is what is held. A response bigger than the
 whole budget is not kept. With API keys, an entry belongs to the key that made it (its digest): another key
 sees no such response.
+
+A response to be stored is shown from its start (as OpenAI shows it): begin() registers it in progress, with a
+view of the response as it stands, and end() forgets it once it is stored or its client has left. Those live
+entries are bounded by the requests admitted, and hold nothing the request does not hold already.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ class StoredResponse:
         return len(self.body) + len(self.conversation) + ENTRY_OVERHEAD_BYTES
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseInProgress:
+    owner: bytes | None
+    body: Callable[[], bytes]  # the response object as it stands now
+    conversation: bytes  # its input items, as JSON (GET .../input_items lists them)
+
+
 class ResponseStore:
     """Only the event-loop thread uses it (no lock): every method is synchronous and short."""
 
@@ -42,6 +53,7 @@ class ResponseStore:
         self.ttl = ttl
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._in_progress: dict[str, ResponseInProgress] = {}
         self.num_bytes = 0
 
     def __len__(self) -> int:
@@ -72,6 +84,22 @@ class ResponseStore:
             return False
         self._drop(response_id)
         return True
+
+    def begin(self, response_id: str, owner: bytes | None, body: Callable[[], bytes], conversation: bytes) -> None:
+        """A response being made, to be stored when it finishes: found in progress until end()."""
+        self._in_progress[response_id] = ResponseInProgress(owner, body, conversation)
+
+    def end(self, response_id: str) -> None:
+        """Idempotent: the response finished (and was stored, or not), or its client left."""
+        self._in_progress.pop(response_id, None)
+
+    def in_progress(self, response_id: str, owner: bytes | None) -> ResponseInProgress | None:
+        entry = self._in_progress.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
+
+    @property
+    def num_in_progress(self) -> int:
+        return len(self._in_progress)
 
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
