@@ -41,7 +41,7 @@ async def chat_completions() -> Response:
     choice, function_name = body.tool_choice_kind()
     messages = [m.as_template_dict() for m in body.messages]
     plan = plan_tools(s.tool_format, messages, body.function_tools(), choice, function_name,
-                      bool(body.parallel_tool_calls), s.tool_marker_tokens, params.structured_outputs)  # fmt: skip
+                      body.parallel_tool_calls is not False, s.tool_marker_tokens, params.structured_outputs)  # fmt: skip
     if plan.structured_outputs is not None:
         params = replace(params, structured_outputs=plan.structured_outputs)
     if plan.syntax is not None:

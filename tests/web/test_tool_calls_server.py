@@ -218,3 +218,15 @@ def test_structured_outputs_that_are_not_json_still_cannot_be_combined_with_tool
     body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "structured_outputs": {"regex": "[ab]+"}}
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs", response.text
+
+
+def test_a_null_parallel_tool_calls_is_the_default_true(server: ThreadedServer) -> None:
+    """null is the default (true), as for every other field; read as false, it cut the answer to one call."""
+    body = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0)
+    counts = []
+    for extra in ({}, {"parallel_tool_calls": None}):
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert response.status_code == 200, response.text
+        counts.append(len(response.json()["choices"][0]["message"]["tool_calls"]))
+    assert counts[1] == counts[0]
+    assert counts[0] > 1 or server.family == "llama3"  # Hermes: a random model given parallel calls goes on calling
