@@ -2,7 +2,8 @@
 # Build llama.cpp's llama-server (and llama-bench) from the llama.cpp vendored in the
 # llama-cpp-python==0.3.36 source distribution, into DIR (outside the repository; never commit it).
 #   bench/build_llama_server.sh /work/peers            (PEER_ISA=avx2 or avxvnni ...: that path, binaries suffixed -avx2 ...)
-# leaves DIR/llama-server, DIR/llama-bench and DIR/llama-perplexity. Needs cmake and g++; PIP defaults to
+# leaves DIR/llama-server, DIR/llama-bench, DIR/llama-perplexity and DIR/test-backend-ops (ggml's kernel timings,
+# for `python -m bench ggml`). Needs cmake and g++; PIP defaults to
 # python3 -m pip.
 # Not part of `make test`.
 #
@@ -57,10 +58,10 @@ cmake -S "$llama_dir" -B "$build_dir" -G Ninja \
     "${isa_options[@]}" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-cmake --build "$build_dir" --target llama-server llama-bench llama-perplexity -j "$jobs"
+    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF
+cmake --build "$build_dir" --target llama-server llama-bench llama-perplexity test-backend-ops -j "$jobs"
 
 suffix=${PEER_ISA:+-$PEER_ISA}
-for tool in llama-server llama-bench llama-perplexity; do cp "$build_dir/bin/$tool" "$out_dir/$tool$suffix"; done
+for tool in llama-server llama-bench llama-perplexity test-backend-ops; do cp "$build_dir/bin/$tool" "$out_dir/$tool$suffix"; done
 "$out_dir/llama-server$suffix" --version 2>&1 | tail -n 2
-echo "built $out_dir/llama-server$suffix, $out_dir/llama-bench$suffix and $out_dir/llama-perplexity$suffix"
+echo "built $out_dir/llama-server$suffix, $out_dir/llama-bench$suffix, $out_dir/llama-perplexity$suffix and $out_dir/test-backend-ops$suffix"

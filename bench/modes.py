@@ -25,6 +25,7 @@ MODES: dict[str, tuple[str, str]] = {
     "route-sim": ("bench.route_sim", "the replica router on a synthetic trace of conversations"),
     "kernels": ("bench.kernels", "every kernel variant this CPU runs against its measured peaks"),
     "step": ("bench.experiments.step", "one native decode step of a real model, per variant and row count"),
+    "ggml": ("bench.experiments.ggml_gemm", "the GEMMs against ggml's own (llama.cpp's test-backend-ops), one core"),
     "variants": ("bench.experiments.variants", "the int8 GEMMs of kernel variants in tight turns: their ratios"),
     "sampler": ("bench.experiments.sampler", "the sampler's native and PyTorch paths, in turns"),
     "perplexity": ("bench.perplexity", "perplexity and KL divergence of each native precision against float32"),
