@@ -11,6 +11,11 @@ seconds), so it follows the machine's load; it starts from two timed probe steps
 from __future__ import annotations
 
 DECAY = 0.98  # weight of the past at each observed step (an effective window of about 50 steps)
+# A step this many times the fit's prediction was not slow but stopped (SIGSTOP, a VM or container pause): held out,
+# for one such step would move a and b for hundreds of steps. MAX_SKIPPED + 1 of them in a row: the machine changed,
+# and every one of them goes into the fit.
+OUTLIER_RATIO = 10.0
+MAX_SKIPPED = 8
 
 
 class StepCostModel:
@@ -18,8 +23,22 @@ class StepCostModel:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.fixed = 1.0  # a: seconds per step whatever its rows
         self.per_row = 1.0  # b: seconds per row (pessimistic until observed: no draft pays)
+        self._is_fit = False  # a and b learnt from steps (before, a prediction means nothing)
+        self._held: list[tuple[int, float]] = []  # the outliers in a row, not yet in the fit
 
     def observe(self, num_rows: int, seconds: float) -> None:
+        if self._is_fit and seconds > OUTLIER_RATIO * (self.fixed + self.per_row * num_rows):
+            if len(self._held) < MAX_SKIPPED:
+                self._held.append((num_rows, seconds))
+                return
+            held, self._held = self._held, []
+            for rows, held_seconds in held:
+                self._add(rows, held_seconds)
+        else:
+            self._held = []  # a pause's step, and the machine is as it was
+        self._add(num_rows, seconds)
+
+    def _add(self, num_rows: int, seconds: float) -> None:
         d = DECAY
         self._w = self._w * d + 1
         self._x = self._x * d + num_rows
@@ -31,6 +50,7 @@ class StepCostModel:
             b = (self._w * self._xy - self._x * self._y) / spread
             a = (self._y - b * self._x) / self._w
             self.per_row, self.fixed = max(b, 0.0), max(a, 0.0)
+            self._is_fit = True
 
     def break_even(self, num_sampling: int, num_rows: int) -> float:
         """c: the tokens one more row must yield on average to pay for itself in a step like this one."""

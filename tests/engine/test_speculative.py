@@ -281,6 +281,25 @@ def test_auto_drafts_only_where_rows_are_cheap_for_the_step_and_acceptance():
     assert all(hopeless.propose(seq, 1) == [] for _ in range(2 * PROBE_INTERVAL))  # not even probes
 
 
+def test_a_step_timed_across_a_pause_leaves_the_step_cost_alone_until_the_machine_really_changed():
+    """A process stopped mid-step (SIGSTOP, a VM pause) times that step in minutes: fed to the fit, a(t) and b fell to
+    0 (draft everything) or rose (no drafts) for hundreds of steps. A step far above the fit's own prediction is left
+    out, unless the steps after it are too: then the machine changed, and the fit follows."""
+    from engine.speculative.step_cost import MAX_SKIPPED, StepCostModel
+
+    model = StepCostModel()
+    for i in range(300):
+        rows = 1 + i % 6
+        model.observe(rows, 0.010 + 0.001 * rows)
+    model.observe(4, 120.0)  # paused
+    model.observe(1, 0.011)
+    assert math.isclose(model.fixed, 0.010, rel_tol=1e-3) and math.isclose(model.per_row, 0.001, rel_tol=1e-3)
+    for i in range(MAX_SKIPPED + 300):  # 20x slower from now on: a machine that changed
+        rows = 1 + i % 6
+        model.observe(rows, 20 * (0.010 + 0.001 * rows))
+    assert math.isclose(model.fixed, 0.200, rel_tol=0.05) and math.isclose(model.per_row, 0.020, rel_tol=0.05)
+
+
 def test_an_auto_engine_learns_its_step_cost_and_keeps_the_output(tiny_llama_dir, llms):
     off, _ = llms
     auto = make_llm(tiny_llama_dir, speculative="auto")
