@@ -52,17 +52,23 @@ def sluice_rates(
     from bench import kernels
     from engine.native import native_ops, use_isa
 
+    ops = native_ops()
+    threads, clock = torch.get_num_threads(), kernels.CLOCK
     torch.set_num_threads(1)
     kernels.CLOCK = time.thread_time
-    ops = native_ops()
-    use_isa(ops, variant)
-    peaks = kernels.measure_peaks(ops, quick)
-    opts = types.SimpleNamespace(repeats=1 if quick else 3, min_seconds=0.0 if quick else 0.3, quick=quick)
-    rates = {}
-    for type_name in types_:
-        shape = kernels.Shape(type_name, K_IN, M_OUT, KIND_OF_TYPE[type_name])
-        for row in kernels.gemm_rows(ops, variant, shape, rows, peaks, opts):
-            rates[(type_name, row.rows)] = row.rate
+    try:
+        use_isa(ops, variant)
+        peaks = kernels.measure_peaks(ops, quick)
+        opts = types.SimpleNamespace(repeats=1 if quick else 3, min_seconds=0.0 if quick else 0.3, quick=quick)
+        rates = {}
+        for type_name in types_:
+            shape = kernels.Shape(type_name, K_IN, M_OUT, KIND_OF_TYPE[type_name])
+            for row in kernels.gemm_rows(ops, variant, shape, rows, peaks, opts):
+                rates[(type_name, row.rows)] = row.rate
+    finally:  # as it was: the caller's (a test run's) threads and clock
+        use_isa(ops, "best")
+        torch.set_num_threads(threads)
+        kernels.CLOCK = clock
     return rates, peaks.madds_int8
 
 
@@ -84,22 +90,26 @@ def main(argv: list[str] | None = None) -> int:
 
     if missing := [v for v in binaries if v not in available_isas(native_ops())]:
         parser.error(f"this CPU cannot run the {', '.join(missing)} kernels")
-    core = max(os.sched_getaffinity(0))
+    cores = os.sched_getaffinity(0)
+    core = max(cores)
     os.sched_setaffinity(0, {core})
-    print(f"{cpu_name()}; one core (CPU {core}); m = {M_OUT} outputs, k = {K_IN} inputs; G multiply-adds/s")
-    print(f"{'variant':8} {'type':6} {'rows':>5} {'ggml':>8} {'Sluice':>8} {'ratio':>6} {'ggml % peak':>12} "
-          f"{'Sluice % peak':>14}")  # fmt: skip
-    for variant, binary in binaries.items():
-        theirs = ggml_rates(binary, types_, rows, core)
-        ours, peak = sluice_rates(variant, types_, rows, args.quick)
-        for type_name in types_:
-            for n in rows:
-                g, s = theirs.get((type_name, n)), ours[(type_name, n)]
-                g_text = f"{g / 1e9:8.1f}" if g else f"{'-':>8}"
-                ratio = f"{s / g:5.2f}x" if g else f"{'-':>6}"
-                g_pct = f"{100 * g / peak:11.0f}%" if g else f"{'-':>12}"
-                ours_text = f"{s / 1e9:8.1f} {ratio} {g_pct} {100 * s / peak:13.0f}%"
-                print(f"{variant:8} {type_name:6} {n:5} {g_text} {ours_text}")
+    try:
+        print(f"{cpu_name()}; one core (CPU {core}); m = {M_OUT} outputs, k = {K_IN} inputs; G multiply-adds/s")
+        print(f"{'variant':8} {'type':6} {'rows':>5} {'ggml':>8} {'Sluice':>8} {'ratio':>6} {'ggml % peak':>12} "
+              f"{'Sluice % peak':>14}")  # fmt: skip
+        for variant, binary in binaries.items():
+            theirs = ggml_rates(binary, types_, rows, core)
+            ours, peak = sluice_rates(variant, types_, rows, args.quick)
+            for type_name in types_:
+                for n in rows:
+                    g, s = theirs.get((type_name, n)), ours[(type_name, n)]
+                    g_text = f"{g / 1e9:8.1f}" if g else f"{'-':>8}"
+                    ratio = f"{s / g:5.2f}x" if g else f"{'-':>6}"
+                    g_pct = f"{100 * g / peak:11.0f}%" if g else f"{'-':>12}"
+                    ours_text = f"{s / 1e9:8.1f} {ratio} {g_pct} {100 * s / peak:13.0f}%"
+                    print(f"{variant:8} {type_name:6} {n:5} {g_text} {ours_text}")
+    finally:  # the caller's cores again (a test run's other tests must not run on one)
+        os.sched_setaffinity(0, cores)
     return 0
 
 

@@ -36,9 +36,20 @@ def test_ggml_lines_are_read_at_the_shape_and_set_beside_sluice_kernels(monkeypa
     monkeypatch.setattr(ggml_gemm, "K_IN", 256)
     rates = ggml_gemm.ggml_rates(str(stand_in(tmp_path)), ["q4_K"], [1, 8], core=0)
     assert rates == {("q4_K", 1): pytest.approx(19.77e9 / 2), ("q4_K", 8): pytest.approx(41.2e9 / 2)}
+    import os
+
+    import torch
+
+    from bench import kernels
+
     variant = available_isas(ops)[0]
+    cores, threads, clock = os.sched_getaffinity(0), torch.get_num_threads(), kernels.CLOCK
     argv = ["--test-backend-ops", f"{variant}={stand_in(tmp_path)}", "--types", "q4_K", "--rows", "1,8", "--quick"]
     assert ggml_gemm.main(argv) == 0
+    # the run's one core, one thread and CPU-time clock were its own: the tests after it got them (a whole suite
+    # ran its native tests on one core, at a tenth of their speed)
+    assert (os.sched_getaffinity(0), torch.get_num_threads(), kernels.CLOCK) == (cores, threads, clock)
+    assert ops.isa() == f"isa_{variant}" or variant == "baseline"
     pattern = rf"^{variant}\s+q4_K\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x"
     rows = re.findall(pattern, capsys.readouterr().out, re.MULTILINE)
     assert [int(n) for n, *_ in rows] == [1, 8]
