@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.errors import InvalidRequest
+from engine.reasoning_parser import Phase
 from engine.structured_outputs import StructuredOutputs
+from engine.thought_grammar import ThoughtMarkers, after_thought
 
 # JSON is written as json.dumps writes it ({"a": 1, "b": [2, 3]}): small models given free whitespace tend to
 # fill the output with it. A schema's own "x-guidance" options override these.
@@ -66,8 +68,11 @@ class GrammarCompiler:
                 self._ll_tokenizer = build_ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._ll_tokenizer
 
-    def compile(self, structured: StructuredOutputs) -> LLMatcher:
-        """A fresh matcher at the start of the output; InvalidRequest naming the parameter if it does not compile."""
+    def compile(
+        self, structured: StructuredOutputs, markers: ThoughtMarkers | None = None, phase: Phase = Phase.ANSWER
+    ) -> LLMatcher:
+        """A fresh matcher at the start of the output; InvalidRequest naming the parameter if it does not compile.
+        markers (a reasoning parser's) and phase (where the output starts): the grammar starts after the thought."""
         from llguidance import LLMatcher, LLParserLimits
 
         param = structured.error_param()
@@ -84,6 +89,13 @@ class GrammarCompiler:
         # output, which no JSON text is: an answer of "" with finish_reason "stop" otherwise.
         if structured.json is not None and self._allows_only_eos(matcher):
             raise InvalidRequest(f"{param} is an unsatisfiable schema: no JSON value matches it", param)
+        if markers is None or phase is Phase.ANSWER or (structured.grammar is not None and markers.names_end(grammar)):
+            return matcher
+        # the request's grammar compiled alone above: its errors and checks are the same with a parser or without
+        matcher = LLMatcher(self.ll_tokenizer, after_thought(grammar, markers, phase), log_level=0, limits=limits)
+        if matcher.is_error():
+            raise InvalidRequest(f"{param} cannot be compiled after a thought: {_first_lines(matcher_error(matcher))}",
+                                 param)  # fmt: skip
         return matcher
 
     def _allows_only_eos(self, matcher: LLMatcher) -> bool:

@@ -1,0 +1,96 @@
+"""With a reasoning parser, a grammar starts after the thought (engine/thought_grammar.py): the masks of the tiny
+Qwen 3 tokenizer's tokens (<think> and </think> are single tokens there) at each point of a thought then JSON."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.grammar_compiler import GrammarCompiler
+from engine.reasoning_parser import REASONING_PARSERS, Phase
+from engine.structured_outputs import StructuredOutputs
+from engine.thought_grammar import ThoughtMarkers, thought_markers
+from tests.support.tiny_models import build_qwen3_tokenizer
+
+SCHEMA = StructuredOutputs(json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def markers(tokenizer) -> ThoughtMarkers:
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    found = thought_markers(REASONING_PARSERS["qwen3"], {"<think>": start, "</think>": end})
+    assert found == ThoughtMarkers(REASONING_PARSERS["qwen3"], end, start)
+    return found
+
+
+def allowed(matcher) -> set[int]:
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def feed(matcher, tokenizer, text: str) -> None:
+    for token_id in tokenizer.encode(text, add_special_tokens=False):
+        assert matcher.consume_token(token_id), (text, matcher.get_error())
+
+
+def test_a_thought_is_free_text_up_to_the_end_token_and_then_the_grammar_holds(compiler, tokenizer, markers) -> None:
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    matcher = compiler.compile(SCHEMA, markers, Phase.BEFORE)
+    assert allowed(matcher) == {markers.start_token_id, brace}  # a thought may open, or the answer start at once
+    assert matcher.consume_token(markers.start_token_id)
+    feed(matcher, tokenizer, "not JSON at all {[")
+    in_thought = allowed(matcher)
+    assert markers.end_token_id in in_thought and tokenizer.eos_token_id not in in_thought and len(in_thought) > 100
+    assert matcher.consume_token(markers.end_token_id)
+    assert allowed(matcher) == {brace}
+    feed(matcher, tokenizer, '{"ok": true}')
+    assert matcher.is_accepting()
+
+
+def test_qwen3_output_that_opens_no_thought_is_held_to_the_grammar_from_its_first_token(compiler, tokenizer,
+                                                                                         markers) -> None:  # fmt: skip
+    matcher = compiler.compile(SCHEMA, markers, Phase.BEFORE)
+    feed(matcher, tokenizer, '{"ok": ')
+    assert markers.start_token_id not in allowed(matcher) and markers.end_token_id not in allowed(matcher)
+
+
+def test_the_thought_never_spells_the_end_marker_as_text(compiler, tokenizer, markers) -> None:
+    matcher = compiler.compile(SCHEMA, markers, Phase.OPENING)
+    feed(matcher, tokenizer, "a</think")
+    closers = {t for t in range(len(tokenizer)) if "</think>" in "</think" + tokenizer.decode([t])}
+    closers.discard(markers.end_token_id)
+    assert closers and not closers & allowed(matcher)
+
+
+def test_an_open_thought_must_end_before_the_answer(compiler, tokenizer, markers) -> None:
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    matcher = compiler.compile(SCHEMA, markers, Phase.OPENING)
+    first = allowed(matcher)
+    assert {markers.start_token_id, markers.end_token_id, brace} <= first and tokenizer.eos_token_id not in first
+    feed(matcher, tokenizer, "{")  # thought text, not the answer
+    assert matcher.consume_token(markers.end_token_id)
+    assert allowed(matcher) == {brace}
+
+
+def test_a_closed_thought_no_parser_and_a_grammar_naming_the_end_marker_keep_the_grammar_as_it_is(
+    compiler, markers
+) -> None:
+    plain = allowed(compiler.compile(SCHEMA))
+    assert allowed(compiler.compile(SCHEMA, markers, Phase.ANSWER)) == plain
+    own = StructuredOutputs(grammar=f'start: <[{markers.start_token_id}]> "a" <[{markers.end_token_id}]> "b"')
+    assert allowed(compiler.compile(own, markers, Phase.BEFORE)) == {markers.start_token_id}
+
+
+def test_an_end_marker_that_is_no_single_token_names_no_markers() -> None:
+    assert thought_markers(REASONING_PARSERS["qwen3"], {"<think>": 5}) is None
+    assert thought_markers(None, {}) is None
