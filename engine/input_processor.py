@@ -18,7 +18,9 @@ import numpy as np
 
 from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
+from engine.reasoning_parser import Phase, first_phase
 from engine.sampling_params import SamplingParams
+from engine.thought_grammar import PROMPT_TAIL_TOKENS, ThoughtMarkers
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a request over the context
 
@@ -63,6 +65,8 @@ class InputProcessor:
             longest_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         longest_token = max([longest_token_chars, *map(len, tokenizer.get_added_vocab())])
         self.max_prompt_chars = max_model_len * max(longest_token, 1)
+        # A reasoning parser's markers (engine/thought_grammar.py): a grammar then starts after the thought.
+        self.thought_markers: ThoughtMarkers | None = None
 
     # ---- prompts -------------------------------------------------------------------------------------
     def process_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
@@ -194,8 +198,16 @@ class InputProcessor:
         self._check_num_tokens(len(prompt), param)
         max_tokens = self.check_lengths(len(prompt), params)
         structured = params.structured_outputs
-        matcher = self.grammar_compiler.compile(structured) if structured is not None else None
+        matcher = None
+        if structured is not None:
+            markers = self.thought_markers
+            phase = self._first_phase(prompt, markers) if markers is not None else Phase.ANSWER
+            matcher = self.grammar_compiler.compile(structured, markers, phase)
         return PreparedRequest(request_id, prompt, params, max_tokens, matcher)
+
+    def _first_phase(self, prompt: list[int], markers: ThoughtMarkers) -> Phase:
+        """Where the output starts, read from the prompt's last tokens as the web's splitter reads it."""
+        return first_phase(markers.syntax, self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The effective max_tokens of a request whose prompt fits; InvalidRequest for what cannot be honoured."""

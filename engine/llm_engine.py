@@ -31,6 +31,7 @@ from engine.sequence import Sequence
 from engine.speculative.speculator import Speculator
 from engine.speculative.stats import SpeculationStats
 from engine.speculative.verify import num_accepted, verify_rows
+from engine.thought_grammar import thought_markers
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,9 @@ class LLMEngine:
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.reasoning_syntax = reasoning_syntax(config.reasoning_parser)
+        marker_ids: dict[str, int] = {}
         if self.reasoning_syntax is not None:  # the markers must come out as text: else the start fails here
-            marker_token_ids(self.tokenizer, self.reasoning_syntax)
+            marker_ids = marker_token_ids(self.tokenizer, self.reasoning_syntax)
         # Held back by every detokenizer while they may be partial: the web layer's splitter sees them whole.
         self._held_markers = self.reasoning_syntax.markers if self.reasoning_syntax is not None else ()
         kv_capacity = config.num_kv_blocks * config.block_size
@@ -69,6 +71,7 @@ class LLMEngine:
                            config.block_size)  # fmt: skip
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
+        self.input_processor.thought_markers = thought_markers(self.reasoning_syntax, marker_ids)
         if is_cut_by_pool:
             pool = f"num_kv_blocks {config.num_kv_blocks} x block_size {config.block_size}"
             self.input_processor.context_limit = f"max_model_len, cut to what the KV pool holds: {pool}"

@@ -12,15 +12,12 @@ from quart import current_app
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
 from engine.reasoning_parser import ReasoningSplitter, first_phase, marker_token_ids
+from engine.thought_grammar import PROMPT_TAIL_TOKENS
 from web.errors import APIError
 from web.logprobs import TokenText
 from web.metrics import ServerMetrics
 from web.responses_api.store import ResponseStore
 from web.tool_calls import ToolFormat, detect_tool_format
-
-
-# "<think>\n\n</think>\n\n" is 4 tokens in Qwen 3's vocabulary, and more where the markers are not single tokens.
-PROMPT_TAIL_TOKENS = 16
 
 
 @dataclass
