@@ -65,3 +65,15 @@ def test_without_a_parser_the_grammar_holds_from_the_first_token(tiny_qwen3_dir)
     with serve(tiny_qwen3_dir) as server, httpx.Client(base_url=server.base_url, timeout=60) as http:
         message = http.post("/v1/chat/completions", json=chat()).json()["choices"][0]["message"]
         assert "reasoning_content" not in message and is_answer(message["content"]), message
+
+
+def test_a_forced_tool_call_comes_after_the_thought(http: httpx.Client) -> None:
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": SCHEMA}}]
+    body = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=100)
+    del body["response_format"]
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    message = choice["message"]
+    assert message["reasoning_content"] and set(message["reasoning_content"]) == {"h"}, message
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_time" and is_answer(call["function"]["arguments"]), call
+    assert choice["finish_reason"] == "tool_calls"
