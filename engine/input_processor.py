@@ -18,8 +18,9 @@ import numpy as np
 
 from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
-from engine.reasoning_parser import Phase, first_phase
+from engine.reasoning_parser import Phase, ReasoningSyntax, first_phase
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputs
 from engine.thought_grammar import PROMPT_TAIL_TOKENS, ThoughtMarkers
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a request over the context
@@ -39,6 +40,9 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int  # params.max_tokens, or what the context leaves when that is None
     matcher: Any = None  # an llguidance LLMatcher when params.structured_outputs is set: the sequence owns it
+    # Where the output starts (a reasoning parser's phase, read once from the prompt's last tokens): the reasoning
+    # splitter and the grammar both begin there. ANSWER without a parser.
+    first_phase: Phase = Phase.ANSWER
 
 
 class InputProcessor:
@@ -65,7 +69,9 @@ class InputProcessor:
             longest_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         longest_token = max([longest_token_chars, *map(len, tokenizer.get_added_vocab())])
         self.max_prompt_chars = max_model_len * max(longest_token, 1)
-        # A reasoning parser's markers (engine/thought_grammar.py): a grammar then starts after the thought.
+        # A reasoning parser (engine/reasoning_parser.py) and, where the engine compiles grammars, its markers'
+        # tokens (engine/thought_grammar.py): a grammar then starts after the thought.
+        self.reasoning_syntax: ReasoningSyntax | None = None
         self.thought_markers: ThoughtMarkers | None = None
 
     # ---- prompts -------------------------------------------------------------------------------------
@@ -197,17 +203,19 @@ class InputProcessor:
                                  param=param)  # fmt: skip
         self._check_num_tokens(len(prompt), param)
         max_tokens = self.check_lengths(len(prompt), params)
-        structured = params.structured_outputs
-        matcher = None
-        if structured is not None:
-            markers = self.thought_markers
-            phase = self._first_phase(prompt, markers) if markers is not None else Phase.ANSWER
-            matcher = self.grammar_compiler.compile(structured, markers, phase)
-        return PreparedRequest(request_id, prompt, params, max_tokens, matcher)
+        phase = self._first_phase(prompt)
+        matcher = self.compile_grammar(params.structured_outputs, phase) if params.structured_outputs else None
+        return PreparedRequest(request_id, prompt, params, max_tokens, matcher, phase)
 
-    def _first_phase(self, prompt: list[int], markers: ThoughtMarkers) -> Phase:
-        """Where the output starts, read from the prompt's last tokens as the web's splitter reads it."""
-        return first_phase(markers.syntax, self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+    def compile_grammar(self, structured: StructuredOutputs, phase: Phase) -> Any:
+        """A fresh matcher for an output that starts in `phase` (after the thought, with this engine's markers)."""
+        return self.grammar_compiler.compile(structured, self.thought_markers, phase)
+
+    def _first_phase(self, prompt: list[int]) -> Phase:
+        """Where the output starts, read from the prompt's last tokens (no decode without a parser)."""
+        if self.reasoning_syntax is None:
+            return Phase.ANSWER
+        return first_phase(self.reasoning_syntax, self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The effective max_tokens of a request whose prompt fits; InvalidRequest for what cannot be honoured."""

@@ -71,6 +71,7 @@ class LLMEngine:
                            config.block_size)  # fmt: skip
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               config.max_num_seqs, loaded.longest_token_chars)  # fmt: skip
+        self.input_processor.reasoning_syntax = self.reasoning_syntax
         self.input_processor.thought_markers = thought_markers(self.reasoning_syntax, marker_ids)
         if is_cut_by_pool:
             pool = f"num_kv_blocks {config.num_kv_blocks} x block_size {config.block_size}"

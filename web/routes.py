@@ -51,7 +51,7 @@ async def chat_completions() -> Response:
         with named_as_sent(body.wire_names()), plan.errors_named():
             template_kwargs = {**plan.template_kwargs, **body.template_options()}
             prepared = await s.engine.prepare_chat(fmt.id, plan.messages, params, **template_kwargs)
-        fmt.read_reasoning(s.reasoning_splitters(prepared.prompt_token_ids))
+        fmt.read_reasoning(s.reasoning_splitters(prepared))
         return await generate(s, reservation, fmt, prepared, bool(body.stream))
 
 

@@ -11,8 +11,8 @@ from quart import current_app
 
 from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
-from engine.reasoning_parser import ReasoningSplitter, first_phase, marker_token_ids
-from engine.thought_grammar import PROMPT_TAIL_TOKENS
+from engine.input_processor import PreparedRequest
+from engine.reasoning_parser import ReasoningSplitter, marker_token_ids
 from web.errors import APIError
 from web.logprobs import TokenText
 from web.metrics import ServerMetrics
@@ -63,17 +63,16 @@ class Services:
             self._marker_tokens = {m: added[m] for m in self.tool_format.markers if m in added}
         return self._marker_tokens
 
-    def reasoning_splitters(self, prompt_token_ids: list[int]) -> Callable[[], ReasoningSplitter] | None:
-        """With a reasoning parser configured: a maker of one choice's splitter, its first phase read from the
-        prompt's last tokens (a template may open the thought, or close it: Qwen 3's enable_thinking false)."""
+    def reasoning_splitters(self, prepared: PreparedRequest) -> Callable[[], ReasoningSplitter] | None:
+        """With a reasoning parser configured: a maker of one choice's splitter, from where the input processor
+        read that the output starts (a template may open the thought, or close it: Qwen 3's enable_thinking false)."""
         syntax = self.engine.reasoning_syntax
         if syntax is None:
             return None
         if self._thought_marker_tokens is None:
             self._thought_marker_tokens = marker_token_ids(self.engine.tokenizer, syntax)
-        tail = self.engine.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         token_text = self.token_text
-        return partial(ReasoningSplitter, syntax, first_phase(syntax, tail),
+        return partial(ReasoningSplitter, syntax, prepared.first_phase,
                        self._thought_marker_tokens.get(syntax.end), lambda token_id: token_text(token_id)[0])  # fmt: skip
 
     def check_model(self, requested: str) -> str:

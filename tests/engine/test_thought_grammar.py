@@ -94,3 +94,33 @@ def test_a_closed_thought_no_parser_and_a_grammar_naming_the_end_marker_keep_the
 def test_an_end_marker_that_is_no_single_token_names_no_markers() -> None:
     assert thought_markers(REASONING_PARSERS["qwen3"], {"<think>": 5}) is None
     assert thought_markers(None, {}) is None
+
+
+def test_where_the_output_starts_is_read_once_and_carried_to_a_replica_that_compiles_its_own_grammar(
+    tokenizer, markers
+) -> None:
+    """The input processor reads the prompt's tail once (PreparedRequest.first_phase): the web's splitter takes it,
+    and a replica, whose grammar matcher cannot travel from the front, compiles after the same thought. A front
+    knows the parser but not the markers' tokens; the engine both."""
+    from engine.input_processor import InputProcessor
+    from engine.sampling_params import SamplingParams
+
+    def processor(with_markers: bool) -> InputProcessor:
+        p = InputProcessor(tokenizer, len(tokenizer), 256, [tokenizer.eos_token_id])
+        p.reasoning_syntax = markers.syntax
+        p.thought_markers = markers if with_markers else None
+        return p
+
+    front, replica = processor(False), processor(True)
+    params = SamplingParams(max_tokens=8, structured_outputs=SCHEMA)
+    body = tokenizer.encode("user: hi\nassistant:", add_special_tokens=False)
+    opened, closed = body + [markers.start_token_id], body + tokenizer.encode("<think>\n\n</think>\n\n")
+    cases = [(body, Phase.BEFORE), (opened, Phase.OPENING), (closed, Phase.ANSWER)]
+    for prompt, phase in cases:
+        prepared = front.process_prompt("r", prompt, params)
+        assert prepared.first_phase is phase and replica.process_prompt("r", prompt, params).first_phase is phase
+        matcher = replica.compile_grammar(params.structured_outputs, prepared.first_phase)
+        assert (markers.end_token_id in allowed(matcher)) is (phase is Phase.OPENING)
+        assert (markers.start_token_id in allowed(matcher)) is (phase is not Phase.ANSWER)
+    no_parser = InputProcessor(tokenizer, len(tokenizer), 256, [tokenizer.eos_token_id])
+    assert no_parser.process_prompt("r", opened, params).first_phase is Phase.ANSWER

@@ -300,6 +300,7 @@ class ClusterEngine:
         self._processor = InputProcessor(
             facts.tokenizer, facts.vocab_size, facts.max_model_len, facts.eos_token_ids, facts.max_num_seqs
         )
+        self._processor.reasoning_syntax = self.reasoning_syntax  # where each output starts: read here, once
 
     async def _shutdown(self) -> None:
         """Stop the replicas and Ray, once. A later call (a second drain, run's end) waits for the first: a

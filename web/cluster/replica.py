@@ -169,8 +169,10 @@ class EngineReplica:
     async def submit(self, front_id: str, request: PreparedRequest) -> None:
         """Queue the request; its deltas go out on that front's outputs(). QueueFull when this replica is full."""
         if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
-            compiler = self._llm.input_processor.grammar_compiler
-            compile_it = partial(compiler.compile, request.params.structured_outputs)
+            processor = self._llm.input_processor
+            compiler = processor.grammar_compiler
+            # after the thought, as one process compiles it: the front read where the output starts
+            compile_it = partial(processor.compile_grammar, request.params.structured_outputs, request.first_phase)
             # the first also builds llguidance's view of the vocabulary (seconds for a large one): not on the loop
             matcher = compile_it() if compiler.has_tokenizer else await asyncio.to_thread(compile_it)
             request = replace(request, matcher=matcher)

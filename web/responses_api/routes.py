@@ -70,7 +70,7 @@ async def create_response() -> Response:
                 raise
             message = error.message.replace("the messages have", "the input has").replace("the messages", "the input")
             raise APIError(400, message, param="input", code=error.code) from None
-        builder.read_reasoning(s.reasoning_splitters(prepared.prompt_token_ids))
+        builder.read_reasoning(s.reasoning_splitters(prepared))
         outputs = reservation.generate(prepared)
     timer = RequestTimer(s.metrics, outputs.request)
     progress: AbstractContextManager[None] = (
