@@ -9,7 +9,11 @@ STAMP := $(VENV)/.installed
 NATIVE_SO := engine/native/_build/sluice_native.so
 NATIVE_SRC := $(wildcard engine/native/csrc/*) engine/native/build.py
 
+# Then our own modules' bytecode, as pip writes it for an installed package: where PYTHONDONTWRITEBYTECODE is set
+# (containers often set it) every start compiled engine/ and web/ again, 0.3 s of a 1B's 3.6 s start. Quick when
+# it is up to date; a file changed since is compiled again at its import, as ever.
 install: $(STAMP) $(NATIVE_SO)
+	@$(PY) -m compileall -q engine web bench
 
 # The native step (C++, about a minute with g++). A failed build prints a warning and leaves the eager path:
 # never a broken install. Rebuilt when its sources or torch change (the stamp is rewritten by pip).
