@@ -29,9 +29,11 @@ from bench.client import Target, discover_model
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 15
 POLL_SECONDS = 0.01
 # What a start imports before it can answer (the server, the app, the engine and torch, transformers' base config
-# and tokenizer), with the collector off as web.asgi.build_host runs them.
-START_IMPORTS = ("import gc; gc.disable(); import web.server, web.app, engine.llm_engine, "
-                 "transformers.configuration_utils; from transformers import PreTrainedTokenizerFast")  # fmt: skip
+# and tokenizer), with the collector off as web.asgi.build_host runs them and transformers' import table kept.
+START_IMPORTS = ("import gc; gc.disable(); import web.server, web.app, engine.llm_engine; "
+                 "from engine.checkpoint import transformers_imports; from engine.config import EngineConfig; "
+                 "transformers_imports.install(EngineConfig().cache_path); "
+                 "import transformers.configuration_utils; from transformers import PreTrainedTokenizerFast")  # fmt: skip
 
 
 async def _ready_and_first_request(server: servers.ManagedServer, timeout: float) -> tuple[float, float]:

@@ -8,6 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from engine.checkpoint import transformers_imports
 from engine.checkpoint.folder import FolderCheckpoint
 from engine.checkpoint.gguf_file import GGUFCheckpoint
 from engine.config import EngineConfig
@@ -60,7 +61,9 @@ def _starts_with_gguf_magic(path: Path) -> bool:
 
 
 def open_checkpoint(model: str, cache_root: Path | None = None) -> Checkpoint:
-    """cache_root: where a GGUF's config and tokenizer are kept between starts (header_cache.py; None: not kept)."""
+    """cache_root: where a GGUF's config and tokenizer are kept between starts (header_cache.py), and transformers'
+    import table (transformers_imports.py); None: nothing is kept."""
+    transformers_imports.install(cache_root)
     path = model_path(model, cache_root)
     if path.is_dir():
         return FolderCheckpoint(path)
