@@ -75,13 +75,16 @@ class InputProcessor:
         self.thought_markers: ThoughtMarkers | None = None
 
     # ---- prompts -------------------------------------------------------------------------------------
-    def process_prompt(self, request_id: str, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
-        return self._prepare(request_id, self.encode_prompt(prompt), params, "prompt")
+    def process_prompt(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, is_chat: bool = False
+    ) -> PreparedRequest:
+        """is_chat: the prompt is a chat template's rendering (LLM.chat's token ids), which may open a thought."""
+        return self._prepare(request_id, self.encode_prompt(prompt), params, "prompt", is_chat)
 
     def process_chat(
         self, request_id: str, messages: Sequence[Mapping[str, Any]], params: SamplingParams, **template_kwargs: Any
     ) -> PreparedRequest:
-        return self._prepare(request_id, self.encode_chat(messages, **template_kwargs), params, "messages")
+        return self._prepare(request_id, self.encode_chat(messages, **template_kwargs), params, "messages", True)
 
     def encode_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):  # "" is a prompt on a model whose tokenizer adds a start token (as in vLLM)
@@ -189,7 +192,9 @@ class InputProcessor:
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def _prepare(self, request_id: str, prompt: list[int], params: SamplingParams, param: str) -> PreparedRequest:
+    def _prepare(
+        self, request_id: str, prompt: list[int], params: SamplingParams, param: str, is_chat: bool
+    ) -> PreparedRequest:
         if not isinstance(request_id, str):
             raise InvalidRequest(f"request_id must be a string, not {type(request_id).__name__}")
         if not isinstance(params, SamplingParams):
@@ -203,7 +208,7 @@ class InputProcessor:
                                  param=param)  # fmt: skip
         self._check_num_tokens(len(prompt), param)
         max_tokens = self.check_lengths(len(prompt), params)
-        phase = self._first_phase(prompt)
+        phase = self._first_phase(prompt, is_chat)
         matcher = self.compile_grammar(params.structured_outputs, phase) if params.structured_outputs else None
         return PreparedRequest(request_id, prompt, params, max_tokens, matcher, phase)
 
@@ -211,11 +216,11 @@ class InputProcessor:
         """A fresh matcher for an output that starts in `phase` (after the thought, with this engine's markers)."""
         return self.grammar_compiler.compile(structured, self.thought_markers, phase)
 
-    def _first_phase(self, prompt: list[int]) -> Phase:
+    def _first_phase(self, prompt: list[int], is_chat: bool) -> Phase:
         """Where the output starts, read from the prompt's last tokens (no decode without a parser)."""
         if self.reasoning_syntax is None:
             return Phase.ANSWER
-        return first_phase(self.reasoning_syntax, self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+        return first_phase(self.reasoning_syntax, self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]), is_chat)
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The effective max_tokens of a request whose prompt fits; InvalidRequest for what cannot be honoured."""

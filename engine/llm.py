@@ -68,7 +68,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         token_lists = [self.engine.input_processor.encode_chat(list(c), **options) for c in conversations]
-        return self._run(token_lists, sampling_params, use_tqdm)
+        return self._run(token_lists, sampling_params, use_tqdm, is_chat=True)
 
     def stream(
         self,
@@ -82,14 +82,15 @@ class LLM:
         prompt is text, token ids, or a conversation (through the chat template, with chat's options). Closing
         the iterator early aborts the request."""
         processor = self.engine.input_processor
-        if isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict):
+        is_chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        if is_chat:
             options = chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
             token_ids = processor.encode_chat(prompt, **options)
         else:
             token_ids = processor.encode_prompt(prompt)  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
         inbox: list[RequestOutput] = []
-        request_id = self._add(token_ids, params, inbox)
+        request_id = self._add(token_ids, params, inbox, is_chat)
         num_open = params.n
         try:
             while num_open:
@@ -103,7 +104,11 @@ class LLM:
             self._abort(request_id)
 
     def _run(
-        self, token_lists: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool
+        self,
+        token_lists: list[list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None,
+        use_tqdm: bool,
+        is_chat: bool = False,
     ) -> list[CompletionOutput]:
         if params is None:
             params = SamplingParams()
@@ -114,7 +119,7 @@ class LLM:
         inbox: list[RequestOutput] = []
         try:
             for token_ids, p in zip(token_lists, params_list):
-                request_id = self._add(token_ids, p, inbox)
+                request_id = self._add(token_ids, p, inbox, is_chat)
                 results[request_id] = CompletionOutput(request_id, token_ids, [ChoiceOutput(i) for i in range(p.n)])
             with tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 num_pending = len(results)
@@ -133,10 +138,10 @@ class LLM:
                 self._abort(request_id)
         return list(results.values())
 
-    def _add(self, token_ids: list[int], params: SamplingParams, inbox: list[RequestOutput]) -> str:
+    def _add(self, token_ids: list[int], params: SamplingParams, inbox: list[RequestOutput], is_chat: bool) -> str:
         request_id = f"offline-{next(self._request_ids)}"
         with self._lock:
-            self.engine.add_request(request_id, token_ids, params)
+            self.engine.add_request(request_id, token_ids, params, is_chat)
             self._inboxes[request_id] = inbox
         return request_id
 

@@ -92,9 +92,10 @@ class LLMEngine:
         self._plan: StepPlan | None = None  # the step whose forward pass is running
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Tokenize and check, then queue. Raises InvalidRequest (a ValueError) before any state changes."""
-        self.add_prepared(self.input_processor.process_prompt(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, is_chat: bool = False) -> None:
+        """Tokenize and check, then queue. Raises InvalidRequest (a ValueError) before any state changes. is_chat:
+        a chat template rendered the prompt (where a reasoning model's thought starts: engine/reasoning_parser.py)."""
+        self.add_prepared(self.input_processor.process_prompt(request_id, prompt, params, is_chat))
 
     def add_prepared(self, request: PreparedRequest) -> None:
         if request.request_id in self.requests:

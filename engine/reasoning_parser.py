@@ -8,7 +8,8 @@ Where a thought starts (vLLM's rules, one choice per parser):
 - qwen3: a thought is one the output opens with <think>, or one the prompt left open (a template that ends the
   prompt with "<think>\\n"). Output with no thought is all content.
 - deepseek_r1: the output is a thought from its start (a <think> there is dropped) up to </think>; with no
-  </think> it is all thought.
+  </think> it is all thought. That is its chat templates' rule: a prompt no template rendered (/v1/completions,
+  LLM.generate) opens no thought of itself, and has one only as qwen3 would (the output or the prompt opens it).
 Either way a prompt that ends with a closed thought (Qwen 3's enable_thinking false: "<think>\\n\\n</think>\\n\\n")
 makes the output all content, and a thought that is never closed (max_tokens, a stop string) is all reasoning.
 Only the first thought counts: markers after it are content, as vLLM splits at the first </think>.
@@ -76,14 +77,16 @@ class Phase(enum.Enum):
     ANSWER = "answer"
 
 
-def first_phase(syntax: ReasoningSyntax, prompt_tail: str) -> Phase:
-    """Where the output starts, from the prompt's last characters (its last few tokens' text)."""
+def first_phase(syntax: ReasoningSyntax, prompt_tail: str, is_chat: bool = True) -> Phase:
+    """Where the output starts, from the prompt's last characters (its last few tokens' text); is_chat: a chat
+    template rendered the prompt (else a thought from the start is not assumed: a grammar would wait for a </think>
+    that a plain completion never writes)."""
     tail = prompt_tail.rstrip()
     if tail.endswith(syntax.end):
         return Phase.ANSWER  # the template closed the thought (enable_thinking false): all content
     if tail.endswith(syntax.start):
         return Phase.OPENING
-    return Phase.OPENING if syntax.is_thought_at_start else Phase.BEFORE
+    return Phase.OPENING if syntax.is_thought_at_start and is_chat else Phase.BEFORE
 
 
 class ReasoningSplitter:

@@ -153,3 +153,10 @@ def test_the_start_fails_in_one_line_when_the_markers_are_not_text_of_the_model(
         LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64, reasoning_parser="qwen3")
     llm = LLM(str(model_dir), dtype="float32", num_threads=1, num_kv_blocks=64)  # off: no look at the markers
     assert llm.engine.reasoning_syntax is None
+
+
+def test_deepseek_r1s_thought_from_the_start_is_a_chat_templates_and_a_plain_prompt_opens_none() -> None:
+    assert first_phase(R1, PLAIN_PROMPT) is Phase.OPENING
+    assert first_phase(R1, "Answer in JSON:", is_chat=False) is Phase.BEFORE  # a thought only if the output opens one
+    assert first_phase(R1, "Answer in JSON: <think>\n", is_chat=False) is Phase.OPENING
+    assert first_phase(QWEN3, PLAIN_PROMPT) is first_phase(QWEN3, PLAIN_PROMPT, is_chat=False) is Phase.BEFORE

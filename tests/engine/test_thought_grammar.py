@@ -124,3 +124,25 @@ def test_where_the_output_starts_is_read_once_and_carried_to_a_replica_that_comp
         assert (markers.start_token_id in allowed(matcher)) is (phase is not Phase.ANSWER)
     no_parser = InputProcessor(tokenizer, len(tokenizer), 256, [tokenizer.eos_token_id])
     assert no_parser.process_prompt("r", opened, params).first_phase is Phase.ANSWER
+
+
+def test_offline_generate_holds_the_grammar_from_the_first_token_and_chat_after_deepseek_r1s_thought(
+    tiny_qwen3_dir, markers
+) -> None:
+    """LLM.generate's prompt is no chat template's: no thought from the start (the JSON at once, not free text up to
+    max_tokens waiting for a </think>); LLM.chat's is, so its thought comes first."""
+    import json
+
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_qwen3_dir), dtype="float32", num_threads=1, num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    h = llm.engine.tokenizer.encode("h", add_special_tokens=False)[0]
+    closed = StructuredOutputs(json={**SCHEMA.json, "additionalProperties": False})  # type: ignore[dict-item]
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=closed, presence_penalty=2,
+                            frequency_penalty=2, logit_bias={h: 50, markers.end_token_id: 45})  # fmt: skip
+    [generated] = llm.generate("Answer in JSON:", params, use_tqdm=False)
+    assert json.loads(generated.text) in ({"ok": True}, {"ok": False}), generated.text
+    [chatted] = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+    thought, end, answer = chatted.text.partition("</think>")
+    assert thought and set(thought) == {"h"} and json.loads(answer) in ({"ok": True}, {"ok": False}), chatted.text

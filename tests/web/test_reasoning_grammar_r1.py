@@ -159,3 +159,17 @@ def test_speculation_through_the_thought_and_the_grammar_changes_no_token(tiny_q
     assert whole == plain
     assert (joined(events, "reasoning_content"), joined(events, "content")) == (
         plain["message"]["reasoning_content"], plain["message"]["content"])  # fmt: skip
+
+
+def test_a_completion_prompt_opens_no_thought_so_its_grammar_holds_from_the_first_token(http: httpx.Client) -> None:
+    """/v1/completions splits nothing (vLLM's): its text is raw, markers and all. deepseek_r1's thought from the first
+    token is its chat templates' rule; a plain prompt has a thought only where the prompt or the output opens one,
+    else a grammar waited for a </think> no plain completion writes (free text up to max_tokens, never the JSON)."""
+    body = {k: v for k, v in chat().items() if k != "messages"}
+    for prompt, is_thought in (("Answer in JSON:", False), ("Answer in JSON: <think>", True)):
+        choice = http.post("/v1/completions", json={**body, "prompt": prompt}).json()["choices"][0]
+        thought, _, answer = choice["text"].rpartition("</think>")
+        assert is_answer(answer) and choice["finish_reason"] == "stop", (prompt, choice)
+        assert bool(thought) is is_thought and "<think>" not in choice["text"], (prompt, choice)
+        events = stream_request(http, "/v1/completions", {**body, "prompt": prompt}).events[:-1]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == choice["text"]
