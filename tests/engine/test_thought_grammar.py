@@ -146,3 +146,27 @@ def test_offline_generate_holds_the_grammar_from_the_first_token_and_chat_after_
     [chatted] = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
     thought, end, answer = chatted.text.partition("</think>")
     assert thought and set(thought) == {"h"} and json.loads(answer) in ({"ok": True}, {"ok": False}), chatted.text
+
+
+def test_preemption_mid_thought_keeps_each_outputs_grammar_where_it_was(tiny_qwen3_dir, markers) -> None:
+    """A pool too small for 8 thoughts at once preempts some (recomputed later): the outputs, each a thought then
+    the JSON, are those of a pool with room for all."""
+    from engine import LLM
+    from engine.sampling_params import SamplingParams
+
+    closed = StructuredOutputs(json={**SCHEMA.json, "additionalProperties": False})  # type: ignore[dict-item]
+
+    def run(num_kv_blocks: int) -> tuple[list[str], int]:
+        llm = LLM(str(tiny_qwen3_dir), dtype="float32", num_threads=1, block_size=4, max_num_seqs=8,
+                  num_kv_blocks=num_kv_blocks, reasoning_parser="deepseek_r1")  # fmt: skip
+        h = llm.engine.tokenizer.encode("h", add_special_tokens=False)[0]
+        bias = {h: 50, markers.end_token_id: 45}  # thoughts of "h" that end after more of them the less penalised
+        params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=closed, logit_bias=bias,
+                                 frequency_penalty=0.2 + i / 20) for i in range(8)]  # fmt: skip
+        conversations = [[{"role": "user", "content": f"Hi {i} " * (i + 1)}] for i in range(8)]
+        return [r.text for r in llm.chat(conversations, params, use_tqdm=False)], llm.engine.num_preemptions
+
+    roomy, num_preempted = run(256)
+    tight, num_tight_preempted = run(40)
+    assert num_preempted == 0 and num_tight_preempted > 0
+    assert tight == roomy and all("</think>{" in text for text in roomy), roomy
