@@ -141,6 +141,23 @@ def test_the_responses_api_gives_the_reasoning_item_then_a_message_of_the_schema
     assert [o["content"] for o in final["output"]] == [reasoning["content"], message["content"]]
 
 
+def test_the_responses_api_cut_inside_the_thought_is_incomplete_with_the_reasoning_item_only(
+    server: ThreadedServer,
+) -> None:
+    tokenizer = server.engine.tokenizer
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    body = {"model": MODEL, "input": "Hello world", "max_output_tokens": 3, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}}  # fmt: skip
+    with wrapped_execute(server.engine, thought_scripted([*tokenizer.encode("\nabcdef"), END])):
+        whole = client.responses.create(**body).model_dump()
+        events = [event.model_dump() for event in client.responses.create(**body, stream=True)]
+    for response in (whole, check_event_grammar(events)):
+        assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+        [reasoning] = response["output"]
+        assert reasoning["type"] == "reasoning" and reasoning["status"] == "incomplete", reasoning
+        assert reasoning["content"][0]["text"] == tokenizer.decode(tokenizer.encode("\nabcdef")[:3])
+
+
 def accepted_tokens(http: httpx.Client) -> float:
     metrics = http.get("/metrics").text
     found = re.findall(r"^sluice_speculative_accepted_tokens_total\{[^}]*\} ([0-9.e+]+)$", metrics, re.M)
