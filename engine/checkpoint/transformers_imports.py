@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 FORMAT = "1"
 TABLE_MODULE = "transformers.utils.import_utils"
 DIR_NAME = "transformers-imports"
+MAX_ENTRIES = 8
 Table = dict[frozenset[str], dict[str, set[str]]]  # backends needed -> module -> names it exports
 
 
@@ -75,6 +76,7 @@ def _kept_table(build: Callable[..., Table], entries: Path, module_path: Any, pr
     entry = entries / f"{key}.json"
     try:
         table = _decoded(orjson.loads(entry.read_bytes()))
+        os.utime(entry)  # the most recently used entries are kept
         log.debug("transformers' import table read from %s", entry)
         return table
     except (OSError, ValueError, TypeError, AttributeError):
@@ -112,15 +114,16 @@ def _decoded(rows: list[Any]) -> Table:
 
 
 def _write(entries: Path, entry: Path, data: bytes) -> None:
-    """Whole or not at all (a temporary file renamed into place); the entries of other keys go (at most one is
-    read). An unwritable cache costs only the next start's 0.25 s."""
+    """Whole or not at all (a temporary file renamed into place); the MAX_ENTRIES most recently used entries are
+    kept (one for each environment that shares the cache: a venv's transformers is a key of its own). An unwritable
+    cache costs only the next start's 0.25 s."""
     try:
         entries.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=entries, suffix=".tmp", delete=False) as file:
             file.write(data)
         os.replace(file.name, entry)
-        for other in entries.iterdir():
-            if other != entry:
-                other.unlink(missing_ok=True)
+        by_use = sorted(entries.iterdir(), key=lambda path: path.stat().st_mtime, reverse=True)
+        for stale in by_use[MAX_ENTRIES:]:  # a writer's temporary file is among the newest
+            stale.unlink(missing_ok=True)
     except OSError as error:
         log.debug("transformers' import table not kept: %s", error)

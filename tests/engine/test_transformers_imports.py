@@ -3,6 +3,7 @@ and a damaged or unwritable cache costs nothing but the walk."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import transformers
 from transformers.utils import import_utils
 
 from engine.checkpoint import transformers_imports
-from engine.checkpoint.transformers_imports import DIR_NAME
+from engine.checkpoint.transformers_imports import DIR_NAME, MAX_ENTRIES
 
 MODELS = Path(transformers.__file__).parent / "models"
 # A start's own steps: the finder goes in as a checkpoint is opened, then transformers is imported and used.
@@ -72,3 +73,22 @@ def test_nothing_is_kept_for_a_source_checkout_nor_once_transformers_is_imported
     finders = list(sys.meta_path)
     transformers_imports.install(tmp_path)  # transformers is imported in this process
     assert sys.meta_path == finders
+
+
+def test_each_environment_keeps_its_entry_and_the_least_recently_used_go(tmp_path: Path) -> None:
+    """Two venvs sharing a cache (their transformers are keys of their own) must not evict each other's entry at
+    every start; past MAX_ENTRIES the least recently used goes."""
+    entries = tmp_path / DIR_NAME
+    build = import_utils.define_import_structure.__wrapped__
+    data = transformers_imports._encoded(build(MODELS, prefix="models"))
+    for i in range(MAX_ENTRIES):
+        transformers_imports._write(entries, entries / f"venv{i}.json", data)
+        os.utime(entries / f"venv{i}.json", (1e9 + i, 1e9 + i))  # venv0 the least recently used
+    table = transformers_imports._kept_table(build, entries, MODELS, "models")  # this venv's: built and kept
+    assert len(_entries(tmp_path)) == MAX_ENTRIES and not (entries / "venv0.json").exists()
+    assert (entries / "venv1.json").exists()
+
+    def walk(*_: object) -> dict:
+        raise AssertionError("the kept table was not read")
+
+    assert transformers_imports._kept_table(walk, entries, MODELS, "models") == table
