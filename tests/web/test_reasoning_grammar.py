@@ -12,18 +12,10 @@ import httpx
 import pytest
 
 from tests.support.server_harness import ThreadedServer, llm_engine_loader, stream_request, tiny_engine_config
-
-MODEL = "tiny-qwen3"
-START, END, H = 382, 383, 74  # <think>, </think>, "h" in the tiny Qwen 3 vocabulary (checked below)
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}  # fmt: skip
-
+from tests.support.thought_model import END, H, MODEL, SCHEMA, START, schema_chat
 
 def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
-            "logit_bias": {str(START): 100, str(H): 50, str(END): 45}, "presence_penalty": 2, "frequency_penalty": 2,
-            **fields}  # fmt: skip
+    return schema_chat({START: 100, H: 50, END: 45}, **fields)  # the bias on <think> opens the thought
 
 
 def serve(tiny_qwen3_dir, **config: Any) -> ThreadedServer:

@@ -17,18 +17,10 @@ import pytest
 from tests.support.responses_events import check_event_grammar
 from tests.support.server_harness import (ThreadedServer, llm_engine_loader, slowed, stream_request, tiny_engine_config,
                                          wait_until, wrapped_execute)  # fmt: skip
-
-MODEL = "tiny-qwen3"
-START, END, H = 382, 383, 74  # <think>, </think>, "h" in the tiny Qwen 3 vocabulary (checked below)
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}  # fmt: skip
-
+from tests.support.thought_model import END, H, MODEL, SCHEMA, START, schema_chat
 
 def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
-            "logit_bias": {str(H): 50, str(END): 45}, "presence_penalty": 2, "frequency_penalty": 2,
-            **fields}  # fmt: skip
+    return schema_chat({H: 50, END: 45}, **fields)  # deepseek_r1's output is a thought from its first token
 
 
 def serve(tiny_qwen3_dir, **config: Any) -> ThreadedServer:
@@ -124,14 +116,18 @@ def thought_scripted(script: list[int]) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def test_the_responses_api_gives_the_reasoning_item_then_a_message_of_the_schema(server: ThreadedServer) -> None:
-    tokenizer = server.engine.tokenizer
+def responses_of(server: ThreadedServer, thought: str, max_output_tokens: int) -> tuple[dict, list[dict]]:
+    """A Responses API request for SCHEMA's JSON after the scripted thought, whole and streamed (its events)."""
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-    body = {"model": MODEL, "input": "Hello world", "max_output_tokens": 40, "temperature": 0,
+    body = {"model": MODEL, "input": "Hello world", "max_output_tokens": max_output_tokens, "temperature": 0,
             "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}}  # fmt: skip
-    with wrapped_execute(server.engine, thought_scripted([*tokenizer.encode("\nab"), END])):
+    with wrapped_execute(server.engine, thought_scripted([*server.engine.tokenizer.encode(thought), END])):
         whole = client.responses.create(**body).model_dump()
-        events = [event.model_dump() for event in client.responses.create(**body, stream=True)]
+        return whole, [event.model_dump() for event in client.responses.create(**body, stream=True)]
+
+
+def test_the_responses_api_gives_the_reasoning_item_then_a_message_of_the_schema(server: ThreadedServer) -> None:
+    whole, events = responses_of(server, "\nab", max_output_tokens=40)
     reasoning, message = whole["output"]
     assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "\nab"}]
     assert message["type"] == "message" and is_answer(message["content"][0]["text"]), message
@@ -145,12 +141,7 @@ def test_the_responses_api_cut_inside_the_thought_is_incomplete_with_the_reasoni
     server: ThreadedServer,
 ) -> None:
     tokenizer = server.engine.tokenizer
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
-    body = {"model": MODEL, "input": "Hello world", "max_output_tokens": 3, "temperature": 0,
-            "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}}  # fmt: skip
-    with wrapped_execute(server.engine, thought_scripted([*tokenizer.encode("\nabcdef"), END])):
-        whole = client.responses.create(**body).model_dump()
-        events = [event.model_dump() for event in client.responses.create(**body, stream=True)]
+    whole, events = responses_of(server, "\nabcdef", max_output_tokens=3)
     for response in (whole, check_event_grammar(events)):
         assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
         [reasoning] = response["output"]
