@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -31,6 +32,19 @@ class AbandonableLoad(logging.Filter, Generic[T]):
                 self._is_done = True
                 for handler in self._muted:
                     handler.removeFilter(self)  # the thread goes back to the pool: its later work is heard again
+
+    def start_thread(self) -> Future[T]:
+        """Runs the load now, in a daemon thread of its own; the future gives its result (or its exception)."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self())
+            except BaseException as error:  # noqa: BLE001 -- handed to whoever waits on the future
+                future.set_exception(error)
+
+        threading.Thread(target=run, name="sluice-start", daemon=True).start()
+        return future
 
     def abandon(self) -> None:
         """Called where the stop is (the event loop): the root handlers drop this load's records from now on."""

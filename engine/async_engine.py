@@ -22,6 +22,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -167,6 +168,8 @@ class AsyncEngine:
         self._forward_started: float | None = None  # monotonic start of the running forward pass
         self.is_forward_abandoned = False
         self.is_load_abandoned = False  # stopped while loading: the load's thread is left to run (it cannot stop)
+        self._load: AbandonableLoad[LLMEngine] | None = None
+        self._early_load: Future[LLMEngine] | None = None  # start_loading's
 
     # -- the public face the HTTP layer uses ---------------------------------------------------------------
     @property
@@ -290,12 +293,22 @@ class AsyncEngine:
         self._end_everything(FinishReason.ABORT)
 
     # -- the loop -------------------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Begin the load now, in a thread of its own, not when run() starts: a server calls this once torch is
+        imported, so that the weights pack (outside the GIL, on the other cores) while the web stack imports and
+        Hypercorn binds. run() waits for that load; a stop before it ends abandons it as it would run()'s own."""
+        if self._load is None:
+            self._load = AbandonableLoad(self._load_engine)
+            self._early_load = self._load.start_thread()
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Load and warm the engine (in a worker thread), report started, then step until stopped."""
+        """Load and warm the engine (in a worker thread, or start_loading's), report started, then step until
+        stopped."""
         try:
             # abandon_on_cancel: a stop during a load (SIGTERM while a large file packs) is not kept waiting for it
-            load = AbandonableLoad(self._load_engine)
-            self._engine = await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+            load = self._load = self._load or AbandonableLoad(self._load_engine)
+            wait_for_load = self._early_load.result if self._early_load is not None else load
+            self._engine = await anyio.to_thread.run_sync(wait_for_load, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             self._state = EngineState.STOPPED
             self.is_load_abandoned = True

@@ -10,16 +10,18 @@ import logging
 import ipaddress
 import sys
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from quart import Quart
 
-from engine.async_engine import AsyncEngine
 from engine.config import ServerConfig
 from web.asgi import SluiceASGI, build_engine, build_host, configured, exit_code, logger, start_logging
+
+if TYPE_CHECKING:
+    from quart import Quart
+
+    from engine.async_engine import AsyncEngine
 
 __all__ = ["build_engine", "hypercorn_config", "main", "parse_args", "serve", "serve_host"]
 from web.config_flags import add_config_flags, config_from_args
@@ -50,6 +52,8 @@ def hypercorn_config(server: ServerConfig, send_buffer_bytes: int = SEND_BUFFER_
 async def serve_host(host: SluiceASGI, bind: HypercornConfig, stop: anyio.Event | None = None) -> int:
     """Serve until the host has drained (SIGTERM / SIGINT, or `stop` for a server outside the main thread) or
     its engine failed; returns the exit code."""
+    from hypercorn.asyncio import serve as hypercorn_serve  # imported while the model loads (build_host)
+
     stopped = host.run_by_launcher(stop)
     async with anyio.create_task_group() as tg:
         # In a child task of its own: Hypercorn's serve() can leave a pending cancel on the task that called it.

@@ -552,3 +552,37 @@ async def test_a_request_is_admitted_when_its_n_choices_fit_in_max_num_seqs(make
             assert sum(o.finished for o in await collect(stream)) == stream.request.num_choices
         assert second.request.admitted_time is not None
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+@pytest.mark.anyio
+async def test_start_loading_loads_before_run_and_run_serves_that_load(make_engine) -> None:
+    """A server begins the load as soon as torch is imported (web/asgi.build_host), before its event loop runs: the
+    load runs once, in its own thread, and run() serves what it made; a failed load is run()'s failure, as ever."""
+    loads: list[str] = []
+    loaded = threading.Event()
+
+    def load() -> LLMEngine:
+        loads.append(threading.current_thread().name)
+        engine = make_engine()
+        loaded.set()
+        return engine
+
+    async_engine = AsyncEngine(load, max_pending=8)
+    async_engine.start_loading()
+    async_engine.start_loading()
+    assert await anyio.to_thread.run_sync(loaded.wait, 60)  # no run() yet
+    async with anyio.create_task_group() as tg:
+        await tg.start(async_engine.run)
+        assert async_engine.state is EngineState.READY and loads == ["sluice-start"]
+        stream = async_engine.generate(prepared(async_engine._loaded_engine(), "r", "Hello", max_tokens=3))
+        assert (await collect(stream))[-1].finished
+        await async_engine.drain(timeout=5)
+
+    def broken() -> LLMEngine:
+        raise ValueError("the model file is truncated")
+
+    failing = AsyncEngine(broken, max_pending=8)
+    failing.start_loading()
+    with pytest.raises(ValueError, match="truncated"):
+        await failing.run()
+    assert failing.state is EngineState.DEAD
