@@ -50,6 +50,7 @@ from engine.config import SluiceConfig, load_config
 from web.connection_limits import limit_bound_sockets
 from web.loop_reports import drop_cancelled_connection_reports
 from web.memory import limit_arenas, trim_while_idle
+from web.protocol_errors import answer_protocol_errors_in_openai_shape
 
 logger = logging.getLogger("sluice.server")
 # SIGHUP too: a closed terminal or ssh session, or a process manager's reload, would otherwise kill the process
@@ -102,6 +103,7 @@ class SluiceASGI:
         if message["type"] != "lifespan.startup":
             return
         drop_cancelled_connection_reports(asyncio.get_running_loop())
+        answer_protocol_errors_in_openai_shape()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._run_engine)
             tg.start_soon(trim_while_idle, self.engine)

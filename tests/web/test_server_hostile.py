@@ -316,6 +316,37 @@ def test_a_doubled_slash_is_a_json_404_not_a_redirect_to_the_clients_host(http: 
     assert response.json()["error"]["code"] == "not_found"
 
 
+def raw_exchange(base_url: str, request: bytes) -> tuple[int, bytes, bytes]:
+    """Sends bytes as they are (not necessarily HTTP) and reads to the end: status line's code, headers, body."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    header, _, body = data.partition(b"\r\n\r\n")
+    return int(header.split()[1]), header.lower(), body
+
+
+@pytest.mark.parametrize(
+    "request_bytes, status",
+    [
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n", 431),  # over h11's 16 KiB
+        (b"GET /v1/" + b"m" * 200_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64, 400),  # a TLS hello on the plain port
+    ],
+)
+def test_a_request_hypercorn_refuses_before_the_app_gets_openais_error_shape(
+    server: ThreadedServer, request_bytes: bytes, status: int
+) -> None:
+    got, header, body = raw_exchange(server.base_url, request_bytes)
+    assert got == status and b"content-type: application/json" in header and b"connection: close" in header
+    error = orjson.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert status != 431 or "16384 bytes" in error["message"]
+    assert health(server.base_url)[0] == 200
+
 def test_thousands_of_empty_messages_are_refused_before_the_template(http: httpx.Client) -> None:
     for count, words in ((5_000, "5000 messages: more than the"), (10_000, "at most 8192 items")):
         messages = [{"role": "user", "content": ""}] * count
