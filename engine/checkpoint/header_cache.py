@@ -18,11 +18,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from engine.checkpoint.lru_folder import evict_least_recently_used
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +115,5 @@ class HeaderCache:
         self._evict()
 
     def _evict(self) -> None:
-        """All but the MAX_ENTRIES most recently used entries (another process may be evicting too)."""
         assert self.entries is not None
-
-        def last_used(entry: Path) -> float:
-            try:
-                return entry.stat().st_mtime
-            except OSError:
-                return 0.0
-
-        entries = sorted(self.entries.iterdir(), key=last_used, reverse=True)
-        for stale in entries[MAX_ENTRIES:]:
-            shutil.rmtree(stale, ignore_errors=True)
+        evict_least_recently_used(self.entries, MAX_ENTRIES, partial(shutil.rmtree, ignore_errors=True))

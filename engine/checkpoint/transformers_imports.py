@@ -26,6 +26,8 @@ from typing import Any
 import orjson
 import xxhash
 
+from engine.checkpoint.lru_folder import evict_least_recently_used
+
 log = logging.getLogger(__name__)
 
 FORMAT = "1"
@@ -119,11 +121,14 @@ def _write(entries: Path, entry: Path, data: bytes) -> None:
     cache costs only the next start's 0.25 s."""
     try:
         entries.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=entries, suffix=".tmp", delete=False) as file:
-            file.write(data)
-        os.replace(file.name, entry)
-        by_use = sorted(entries.iterdir(), key=lambda path: path.stat().st_mtime, reverse=True)
-        for stale in by_use[MAX_ENTRIES:]:  # a writer's temporary file is among the newest
-            stale.unlink(missing_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=entries, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            os.replace(temporary, entry)
+        finally:
+            Path(temporary).unlink(missing_ok=True)  # still there only if the rename failed
+        # a writer's temporary file is among the newest
+        evict_least_recently_used(entries, MAX_ENTRIES, partial(Path.unlink, missing_ok=True))
     except OSError as error:
         log.debug("transformers' import table not kept: %s", error)
