@@ -203,9 +203,13 @@ class ChatResponses(_Responses):
         return [self._delta(d, logprobs=logprobs if i == 0 else None, index=index) for i, d in enumerate(deltas)]
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return super().usage_chunk(self._with_reasoning_tokens(usage))
+
+    def _with_reasoning_tokens(self, usage: Usage) -> Usage:
+        """usage with its reasoning_tokens counted by the choices' splitters (with a reasoning parser)."""
         if self._new_splitter is not None:
             usage.reasoning_tokens = sum(s.num_reasoning_tokens for s in self._splitters.values())
-        return super().usage_chunk(usage)
+        return usage
 
     def finish_chunk(self, finish_reason: FinishReason, index: int = 0, stop_reason: str | int | None = None) -> dict:
         chunk = self._delta({}, self._finish_reason(finish_reason, self._parser(index)), index=index)
@@ -222,11 +226,8 @@ class ChatResponses(_Responses):
 
     def full_response(self, results: list[ChoiceOutput]) -> dict:
         """results: the request's choices, in index order."""
-        choices = [self._choice(i, r) for i, r in enumerate(results)]
-        usage = Usage.of_choices(results)
-        if self._new_splitter is not None:
-            usage.reasoning_tokens = sum(s.num_reasoning_tokens for s in self._splitters.values())
-        return self._response(choices, usage)
+        choices = [self._choice(i, r) for i, r in enumerate(results)]  # first: each choice's splitter counts
+        return self._response(choices, self._with_reasoning_tokens(Usage.of_choices(results)))
 
     def _choice(self, index: int, result: ChoiceOutput) -> dict[str, Any]:
         logprobs = chat_logprobs(result.logprobs or [], self.token_text) if self.wants_logprobs else None
