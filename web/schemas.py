@@ -444,11 +444,14 @@ def _error_message(error: Any) -> str:
         return f"{error['msg']}, got {value!r}"
     if error["type"] == "int_type" and isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
         return "Input should be an integer within 64 bits"  # the JSON parser reads larger ones as floats
-    return error["msg"]
+    return _CLASS_NAME.sub("", error["msg"])  # "a valid dictionary or instance of ChatMessage": the class is ours
 
 
-# pydantic puts the member of a union it tried into `loc` ("str", "list[int]", ...): not part of the path.
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\-].*)$")
+# pydantic puts the member of a union it tried into `loc` ("str", "list[int]", a model's class: "NamedToolChoice"):
+# not part of the path. The request's own names are snake_case; a client's CamelCase key (of metadata) is named
+# by its object.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[A-Z][A-Za-z0-9]*|.*[\[\-].*)$")
+_CLASS_NAME = re.compile(r" or instance of [A-Za-z0-9_]+")
 
 
 def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:

@@ -141,6 +141,28 @@ def test_a_chat_message_the_server_cannot_take_gets_a_400_naming_its_part(
     assert error["param"] == param and words in error["message"], error
 
 
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"tool_choice": {}}, "tool_choice.type", "Field required"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name", "Field required"),
+        ({"tool_choice": {"type": "web_search"}}, "tool_choice.type", "got 'web_search'"),
+        ({"messages": ["hi"]}, "messages.0", "Input should be a valid dictionary"),
+        ({"stream_options": []}, "stream_options", "Input should be a valid dictionary"),
+    ],  # fmt: skip
+)
+def test_a_400_names_the_field_as_the_request_spells_it_not_the_servers_class_for_it(
+    http: httpx.Client, fields: dict[str, Any], param: str, words: str
+) -> None:
+    """A named tool choice is one member of a union: its fields were named "tool_choice.NamedToolChoice.type", and
+    an object of the wrong type "a valid dictionary or instance of ChatMessage"."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True, **fields}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"] and "instance of" not in error["message"], error
+
+
 def test_an_assistant_refusal_part_is_read_as_its_text(http: httpx.Client) -> None:
     """OpenAI's assistant content parts are text or refusal (a client replays the refusals it got); vLLM reads a
     refusal part as its text. It was a 400 ("Input should be 'text'")."""
