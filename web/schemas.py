@@ -257,6 +257,14 @@ class ChatTemplateFields(BaseModel):
     def template_options(self) -> dict[str, Any]:
         return chat_template_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
 
+    def check_template_switches(self) -> None:
+        """vLLM's rule: both switches sent true are a 400 (the generation prompt is on by default: only when sent)."""
+        is_sent = "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and self.add_generation_prompt and is_sent:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: the final "
+                           "message is either continued or followed by a new turn",
+                           param="continue_final_message")  # fmt: skip
+
 
 def check_messages(messages: list[ChatMessage]) -> None:
     """400 for a message OpenAI refuses: a part without the text its type calls for ("text" of a text part,
@@ -309,6 +317,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolsField):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         check_messages(self.messages)
+        self.check_template_switches()
         choice, name = self.tool_choice_kind()
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
@@ -390,6 +399,7 @@ class TokenizeRequest(RequestBody, ChatTemplateFields, ToolsField):
 
     def check_supported(self) -> None:
         check_messages(self.messages or [])  # the messages chat would take, no others
+        self.check_template_switches()
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt")
         if self.messages is not None and not self.messages:

@@ -176,6 +176,21 @@ def test_the_final_message_can_be_continued(server: ThreadedServer, http: httpx.
     assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_asking_both_to_continue_the_final_message_and_to_open_a_new_turn_is_refused(
+    http: httpx.Client, path: str
+) -> None:
+    """vLLM refuses both switches sent true (the generation prompt is the default, so only when sent): continuing
+    silently won over the generation prompt the request asked for."""
+    messages = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    body = {**CHAT, "messages": messages, "max_tokens": 2, "continue_final_message": True}
+    assert http.post(path, json=body).status_code == 200
+    response = http.post(path, json={**body, "add_generation_prompt": True})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "continue_final_message" and "add_generation_prompt" in error["message"], error
+
+
 def test_chat_template_kwargs_reach_the_template(server: ThreadedServer, http: httpx.Client) -> None:
     """vLLM's chat_template_kwargs: more variables for the template (here Qwen 3's enable_thinking switch)."""
     messages = CHAT["messages"]
