@@ -253,6 +253,30 @@ def test_what_cannot_be_done_is_a_400_naming_the_parameter(server: ThreadedServe
         assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+DEEP_SCHEMA = json.loads('{"anyOf": [' * 130 + '{"type": "string"}' + "]}" * 130)  # 261 levels of JSON
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": DEEP_SCHEMA}}, "tools": TOOLS,
+          "tool_choice": "required"}, "text.format.schema"),  # calls only: the answer's format is never compiled
+        ({"tools": [{**TOOLS[0], "parameters": DEEP_SCHEMA}], "tool_choice": "none"}, "tools[0].parameters"),
+    ],
+)  # fmt: skip
+def test_a_schema_too_deep_to_repeat_in_the_response_is_a_400_where_it_is_not_compiled(
+    server: ThreadedServer, fields: dict, param: str
+) -> None:
+    """The response repeats text.format and the tools: a schema that no grammar needed, nested deeper than orjson
+    writes (254 levels), was a 500, and its stream was cut without a terminal event."""
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4, **fields}
+    for stream in (False, True):
+        response = httpx.post(f"{server.base_url}/v1/responses", json={**body, "stream": stream}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "nests" in error["message"], error
+
+
 def test_an_input_too_long_for_the_context_is_named_as_the_input(server: ThreadedServer) -> None:
     for text in ("x" * 100_000, "word " * 5_000):  # over the characters' bound, then over the tokens'
         body = {"model": MODEL, "input": text, "max_output_tokens": 4}

@@ -25,6 +25,10 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_INPUT_ITEMS = 4096
 # include values that ask for nothing this server could add (it keeps no reasoning to encrypt).
 HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
+# The response repeats text.format's schema and the tools' parameters, compiled or not (tool_choice "none" compiles
+# no tool; calls only compile no answer format): orjson writes no JSON deeper than 254 levels, the event and the
+# response around the schema included, and llguidance compiles no schema deeper than 128 (serde_json's limit).
+MAX_SCHEMA_LEVELS = 128
 
 
 class ContentPart(BaseModel):
@@ -136,6 +140,11 @@ class ResponsesRequest(BaseModel):
         fmt = self.text_format()
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise APIError(400, "text.format json_schema needs a schema", param="text.format.schema")
+        schemas = [("text.format.schema", fmt.schema_ if fmt is not None else None)]
+        schemas += [(f"tools[{i}].parameters", tool.get("parameters")) for i, tool in enumerate(self.tools or [])]
+        for param, schema in schemas:
+            if _levels(schema) > MAX_SCHEMA_LEVELS:
+                raise APIError(400, f"{param} nests deeper than {MAX_SCHEMA_LEVELS} levels", param=param)
         choice, name = self.tool_choice_kind()
         names = [t.name for t in self.function_tools_specs()]
         if len(set(names)) != len(names):
@@ -220,6 +229,17 @@ class ResponsesRequest(BaseModel):
             structured_outputs=self.constraint(),
             speculative=self.speculative is not False,
         )
+
+
+def _levels(value: Any) -> int:
+    """How deeply objects and arrays nest in value (0 for a scalar), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
