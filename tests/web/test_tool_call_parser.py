@@ -80,6 +80,18 @@ def test_an_output_cut_short_leaves_no_markup_in_the_content(fmt, text, calls):
         assert parse(fmt, text, step) == ("", calls, calls), step
 
 
+DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's json parses: a model writes it when a user asks it to
+
+
+@pytest.mark.parametrize("fmt,text", [(HERMES, '<tool_call>{"arguments": ' + DEEP + ', "name": "f"}</tool_call>'),
+                                      (LLAMA3_JSON, '{"answer": ' + DEEP + "}")])  # fmt: skip
+def test_json_nested_deeper_than_python_parses_is_content(fmt, text):
+    """json.loads raised RecursionError out of the parser: a stream was cut without a terminal event, and a whole
+    answer was a 400 that blamed the request's JSON."""
+    for step in (7, len(text)):
+        assert parse(fmt, text, step) == (text, [], []), step
+
+
 @pytest.mark.parametrize("fmt", [GENERIC, HERMES, LLAMA3_JSON])
 def test_every_cut_of_constrained_calls_gives_named_calls_and_no_content(fmt):
     key = fmt.arguments_key

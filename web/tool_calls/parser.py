@@ -257,15 +257,15 @@ class ToolCallParser:
             if self.syntax.start or self.calls or _may_open_call(text[stripped_start:]):
                 return self._drop_cut_call()
             return self._not_a_call(call, events)  # Llama 3: a plain answer in JSON, cut short
-        try:
+        try:  # RecursionError: JSON nested deeper than Python parses, which a model writes when asked to
             obj = json.loads(text[stripped_start : close + 1])
-        except ValueError:
+            arguments = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+            args_text = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, RecursionError):
             return self._not_a_call(call, events)
-        arguments = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or arguments is None:
             return self._not_a_call(call, events)
         call.header = ToolCallHeader(call.index, f"call_{uuid.uuid4().hex[:24]}", obj["name"])
-        args_text = json.dumps(arguments, ensure_ascii=False)
         self.calls.append(ParsedCall(call.header.id, call.header.name, args_text))
         events += [call.header, ArgumentsPiece(call.index, args_text)]
         call.args_done, call.scan = True, close
