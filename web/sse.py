@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,12 @@ from web.json_response import dumps_one_line
 from web.metrics import RequestTimer
 from web.responses import ResponseFormat, Usage
 
+logger = logging.getLogger(__name__)
+
 DONE = b"data: [DONE]\n\n"
+# What a stream whose writing failed ends with: a bug of this server (the engine's failures arrive as outputs), told
+# as the non-streamed answer's 500 is (web/errors.py), with no detail of it.
+BROKEN_STREAM = "internal server error while writing the stream"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -72,6 +78,10 @@ async def stream_events(outputs: OutputStream, fmt: ResponseFormat, timer: Reque
                 timer.end(FinishReason.ERROR)
                 last = engine_error_event("the request ended without a result")
             yield last + DONE
+    except Exception:  # not the client leaving (BaseException): the stream still ends as promised
+        logger.exception("a stream failed while it was written")
+        timer.end(FinishReason.ERROR)
+        yield engine_error_event(BROKEN_STREAM) + DONE
     finally:
         if not timer.ended:  # the client left, or was cut off for not reading
             timer.end(FinishReason.ABORT)
@@ -131,6 +141,12 @@ async def stream_batch_events(
             if events:
                 yield b"".join(events)
         yield last + DONE
+    except Exception:  # not the client leaving (BaseException): the stream still ends as promised
+        logger.exception("a stream failed while it was written")
+        for timer in timers:
+            if not timer.ended:
+                timer.end(FinishReason.ERROR)
+        yield engine_error_event(BROKEN_STREAM) + DONE
     finally:
         for reader in readers:
             reader.cancel()

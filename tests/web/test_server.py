@@ -16,6 +16,9 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
+from web.responses import ChatResponses, CompletionResponses
+
+from tests.support.lifecycle import engine_idle
 from tests.support.server_harness import (ThreadedServer, health, llm_engine_loader, slowed, stream_request,
                                          tiny_engine_config, wait_until, wrapped_execute)
 
@@ -535,3 +538,30 @@ def test_fields_sluice_does_not_read_are_served_and_named_once_in_the_log(http: 
         "/v1/chat/completions: ignored request field(s) 'x_vendor_n': Sluice does not read them (each name is "
         "logged once)",
     ]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"messages": CHAT["messages"]}, {"prompt": "Hello"}, {"prompt": ["Hello", "world"]}],
+    ids=["chat", "completion", "completion batch"],
+)
+def test_a_failure_while_writing_a_stream_still_ends_it_with_an_error_event_and_done(
+    server: ThreadedServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any]
+) -> None:
+    """A bug while writing a chunk (the tool-call parser's RecursionError on deep JSON was one) cut the connection
+    mid-stream: the client got neither a terminal event nor [DONE]. The request is aborted and its KV freed."""
+    def broken(self: Any, output: Any) -> list[dict]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ChatResponses, "delta_chunks", broken)
+    monkeypatch.setattr(CompletionResponses, "delta_chunks", broken)
+    path = "/v1/chat/completions" if "messages" in fields else "/v1/completions"
+    with http.stream("POST", path, json={"model": MODEL, "max_tokens": 8, "stream": True, **fields}) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1, lines
+    error = orjson.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "a bug" not in error["message"], error
+    wait_until(lambda: engine_idle(server.base_url), timeout=30)
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=COMPLETION).status_code == 200
