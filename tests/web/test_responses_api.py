@@ -15,8 +15,10 @@ import orjson
 import pytest
 from openai.types.responses import ResponseFunctionToolCall, ResponseTextDeltaEvent
 
+from web.responses_api.output import ResponseBuilder
+
 from tests.support.responses_events import check_event_grammar
-from tests.support.server_harness import ThreadedServer, llm_engine_loader, parse_sse, tiny_engine_config
+from tests.support.server_harness import ThreadedServer, llm_engine_loader, parse_sse, tiny_engine_config, wait_until
 from tests.support.tool_model import MODEL, tiny_tool_model
 
 
@@ -275,6 +277,22 @@ def test_a_schema_too_deep_to_repeat_in_the_response_is_a_400_where_it_is_not_co
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and "nests" in error["message"], error
+
+
+def test_a_failure_while_writing_the_stream_ends_it_with_an_error_event(
+    server: ThreadedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug while writing an event (the tool-call parser's RecursionError on deep JSON was one) cut the connection:
+    the client got no terminal event. The request is aborted and its KV freed (kv_returns_to_full)."""
+    def broken(self: ResponseBuilder, text: str, token_ids: list[int] | None = None) -> list[dict]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ResponseBuilder, "feed", broken)
+    events = raw_stream(server, {"model": MODEL, "input": "Hello", "max_output_tokens": 4})
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"], events
+    assert [e["sequence_number"] for e in events] == [0, 1, 2]
+    assert events[-1]["code"] == "server_error" and "a bug" not in events[-1]["message"], events[-1]
+    wait_until(lambda: server.engine.num_free_blocks == server.engine.num_total_blocks, timeout=30)
 
 
 def test_an_input_too_long_for_the_context_is_named_as_the_input(server: ThreadedServer) -> None:

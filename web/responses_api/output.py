@@ -65,6 +65,10 @@ class ResponseBuilder:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]  # fmt: skip
 
+    def failure_event(self, message: str) -> Event:
+        """The terminal event of a stream whose writing failed (a bug of this server): OpenAI's error event."""
+        return self._event("error", code="server_error", message=message, param=None)
+
     def feed(self, text: str, token_ids: list[int] | None = None) -> list[Event]:
         """The next piece of generated text (and its tokens): the events it makes (often one output_text delta)."""
         events: list[Event] = []

@@ -6,6 +6,7 @@ the loop between steps)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -15,6 +16,9 @@ from web.json_response import dumps_one_line
 from web.metrics import RequestTimer
 from web.responses_api.output import Event, ResponseBuilder, usage_object
 from web.responses import Usage
+from web.sse import BROKEN_STREAM
+
+logger = logging.getLogger(__name__)
 
 
 def encode_events(events: list[Event]) -> bytes:
@@ -60,6 +64,10 @@ async def response_events(
                                          error_code)  # fmt: skip
                 on_finished(builder)
                 yield encode_events(events)
+    except Exception:  # not the client leaving (BaseException): the stream still ends with one terminal event
+        logger.exception("a response's stream failed while it was written")
+        timer.end(FinishReason.ERROR)
+        yield encode_events([builder.failure_event(BROKEN_STREAM)])
     finally:
         if not timer.ended:  # the client left, or was cut off for not reading
             timer.end(FinishReason.ABORT)
