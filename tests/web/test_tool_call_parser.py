@@ -2,6 +2,7 @@
 content and calls as the whole text; text that may open a call is held back; what is not a call is content."""
 
 import json
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -9,6 +10,7 @@ from transformers import AutoTokenizer
 from engine.grammar_compiler import GrammarCompiler
 from engine.structured_outputs import StructuredOutputs
 from web.tool_calls import ArgumentsPiece, FunctionTool, ToolCallHeader, ToolCallParser, detect_tool_format
+from web.tool_calls import parser as parser_module
 from web.tool_calls.formats import GENERIC, HERMES, LLAMA3_JSON
 
 HERMES_TEXT = (
@@ -90,6 +92,40 @@ def test_json_nested_deeper_than_python_parses_is_content(fmt, text):
     answer was a 400 that blamed the request's JSON."""
     for step in (7, len(text)):
         assert parse(fmt, text, step) == (text, [], []), step
+
+
+def lines_run(fmt, text: str) -> int:
+    """How many lines of the parser run while text is fed a character at a time: a count (sys.settrace), not a time."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        if frame.f_code.co_filename != parser_module.__file__:
+            return None
+        count += event == "line"
+        return trace
+
+    parser, previous = ToolCallParser(fmt.syntax), sys.gettrace()  # a coverage tool's tracer is put back
+    sys.settrace(trace)
+    try:
+        for c in text:
+            parser.feed(c)
+        parser.finish()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+@pytest.mark.parametrize("fmt,opening,closing", [
+    (LLAMA3_JSON, '{"answer": "', '"}'),  # a Llama 3 answer in JSON: no call, but held until its object closes
+    (HERMES, '<tool_call>{"arguments": {"x": "', '"}, "name": "f"}</tool_call>'),  # "name" not first
+    (HERMES, '<tool_call>{"name": "f", "arguments": {}, "note": "', '"}</tool_call>'),  # after the arguments
+])  # fmt: skip
+def test_the_parser_reads_each_character_of_a_long_object_a_bounded_number_of_times(fmt, opening, closing):
+    """The end of an object was searched for from its start at every delta: a 16,000-character answer cost the
+    event loop 2 s. Twice the text now costs about twice the work, not four times."""
+    short, long = (opening + "ab, " * n + closing for n in (150, 300))
+    assert lines_run(fmt, long) < 2.5 * lines_run(fmt, short)
 
 
 @pytest.mark.parametrize("fmt", [GENERIC, HERMES, LLAMA3_JSON])

@@ -73,6 +73,7 @@ class _Call:
     in_string: bool = False
     escaped: bool = False
     last_solid: int = -1  # the last non-whitespace character of the value so far
+    object_end: _ObjectEnd | None = None  # the search for the "}" that closes the call's object, once begun
 
 
 @dataclass
@@ -221,7 +222,9 @@ class ToolCallParser:
     def _close_call(self, call: _Call, final: bool) -> bool:
         """After the arguments: skip to the end of the object and the call's closer; False to wait for more."""
         text, syntax = self.text, self.syntax
-        close = _object_end(text, call.scan)
+        if call.object_end is None:
+            call.object_end = _ObjectEnd(call.scan)
+        close = call.object_end.find(text)
         if close < 0:
             if final:
                 self.pos = len(text)
@@ -245,12 +248,15 @@ class ToolCallParser:
         """A body that does not open with "name": wait for the whole object, then take it as a call (keys in any
         order) or, if it is not one, as content."""
         text = self.text
-        stripped_start = len(text) - len(text[call.body_start :].lstrip())
-        if stripped_start < len(text) and text[stripped_start] != "{":
-            return self._not_a_call(call, events)
-        if stripped_start >= len(text):
-            return self._drop_cut_call() if final else False
-        close = _object_end(text, stripped_start + 1)
+        if call.object_end is None:
+            stripped_start = len(text) - len(text[call.body_start :].lstrip())
+            if stripped_start < len(text) and text[stripped_start] != "{":
+                return self._not_a_call(call, events)
+            if stripped_start >= len(text):
+                return self._drop_cut_call() if final else False
+            call.object_end = _ObjectEnd(stripped_start + 1)
+        stripped_start = call.object_end.start - 1
+        close = call.object_end.find(text)
         if close < 0:
             if not final:
                 return False
@@ -288,27 +294,43 @@ class ToolCallParser:
         return True
 
 
-def _object_end(text: str, start: int) -> int:
-    """The index of the "}" that closes the object whose inside starts at `start` (depth 1 there), or -1."""
-    depth, in_string, escaped = 1, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+@dataclass(slots=True)
+class _ObjectEnd:
+    """The "}" that closes an object whose inside starts at `start` (depth 1 there), searched for as the text grows:
+    each character is read once, however many deltas the object takes (a search from the start at every delta made
+    a long object quadratic)."""
+
+    start: int
+    scan: int = -1  # the next character to read
+    depth: int = 1
+    in_string: bool = False
+    escaped: bool = False
+    end: int = -1  # the closing "}", once found
+
+    def find(self, text: str) -> int:
+        """Its index in text (which only grows between calls), or -1 while it has not come."""
+        if self.end >= 0:
+            return self.end
+        for i in range(max(self.scan, self.start), len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i
-    return -1
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i
+                    return i
+        self.scan = len(text)
+        return -1
 
 
 def _may_open_call(text: str) -> bool:
