@@ -124,7 +124,10 @@ class Scheduler:
         if seq.is_first_admission:
             seq.is_first_admission = False
             seq.num_cached_tokens = num_cached
-            self.block_manager.record_prefix_query(seq.num_prompt_tokens, num_cached)
+            # One lookup of the request's whole prompt, whatever its n: a fork parent's prompt is only the shared
+            # blocks, and the n choices of a one-block prompt are each admitted (choice 0 first).
+            if seq.index == 0:
+                self.block_manager.record_prefix_query(len(seq.request.prompt_token_ids), num_cached)
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -170,3 +170,15 @@ def test_a_fork_parent_prefilled_in_chunks_forks_once_its_last_chunk_is_computed
         engine.step()
     assert choice_tokens(chunked.generate([PROMPT], params, use_tqdm=False)[0]) == expected
     assert_pool_full(chunked)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [5, 6, 7]], ids=["forked", "one-block"])
+def test_the_prefix_cache_counts_a_requests_prompt_once_whatever_its_n(tiny_llama_dir, prompt):
+    """sluice_prefix_cache_queries_total is the prompt tokens looked up: n choices of one prompt are one lookup of
+    its whole prompt, as usage's prompt_tokens counts it (a fork parent's own prompt is only the shared blocks)."""
+    llm = make_llm(tiny_llama_dir)  # an empty prefix cache
+    manager = llm.engine.block_manager
+    llm.generate([prompt], dataclasses.replace(SEEDED, n=4, max_tokens=2), use_tqdm=False)
+    assert (manager.num_prefix_queries, manager.num_prefix_hits) == (len(prompt), 0)
+    llm.generate([prompt], dataclasses.replace(SEEDED, n=1, max_tokens=2), use_tqdm=False)
+    assert manager.num_prefix_queries == 2 * len(prompt)
