@@ -95,11 +95,17 @@ async def stream_batch_events(
     error event), then [DONE]; a client that leaves aborts every prompt's request."""
     current = asyncio.current_task()
     arrivals: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+    # A reader takes its prompt's next delta only once the last one was taken from `arrivals`: while the client is
+    # not reading, the rest stay in the prompt's request, merged and seen unread by the watchdog (a reader that took
+    # them all queued one delta per step here, and its requests ran to max_tokens past client_read_timeout).
+    taken = [asyncio.Event() for _ in streams]
 
     async def read(p: int) -> None:  # one task per prompt: its deltas, then None
         try:
             async for output in streams[p]:
+                taken[p].clear()
                 arrivals.put_nowait((p, output))
+                await taken[p].wait()
         finally:
             arrivals.put_nowait((p, None))
 
@@ -114,6 +120,7 @@ async def stream_batch_events(
             yield sse_event(chunk)
         while True:
             p, output = await arrivals.get()
+            taken[p].set()
             if output is None:
                 if num_open[p]:  # that prompt's stream ended before its choices did
                     timers[p].end(FinishReason.ERROR)
