@@ -12,14 +12,16 @@ from engine.token_bytes import is_byte_level, piece_bytes
 
 
 class TokenText:
-    """Token id -> (text, bytes), cached: the vocabulary is fixed for the life of the server."""
+    """Token id -> (text, bytes), cached: the vocabulary is fixed for the life of the server. The entries hold no
+    container (bytes, not a list of ints), so that the collector leaves them alone: a cache of SmolLM2's whole
+    vocabulary as lists made a full collection take 5.6 ms."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._byte_level = is_byte_level(tokenizer.backend_tokenizer)
-        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
         cached = self._cache.get(token_id)
         if cached is None:
             cached = self._cache[token_id] = self._compute(token_id)
@@ -35,17 +37,17 @@ class TokenText:
                 return start, len(full) - start - len(plain)
         return 0, 0
 
-    def _compute(self, token_id: int) -> tuple[str, list[int]]:
+    def _compute(self, token_id: int) -> tuple[str, bytes]:
         piece = self._tokenizer.convert_ids_to_tokens(token_id) or ""
         raw = piece_bytes(piece, self._byte_level)
         if raw is None:
             text = self._tokenizer.decode([token_id])
-            return text, list(text.encode())
+            return text, text.encode()
         try:
-            return raw.decode("utf-8"), list(raw)
+            return raw.decode("utf-8"), raw
         except UnicodeDecodeError:
             # OpenAI's spelling for a token that is not a whole character.
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
 def chat_logprobs(tokens: list[SampledToken], token_text: TokenText) -> dict[str, Any]:
@@ -53,10 +55,10 @@ def chat_logprobs(tokens: list[SampledToken], token_text: TokenText) -> dict[str
     for token in tokens:
         text, raw = token_text(token.token_id)
         top = [
-            {"token": t, "logprob": lp, "bytes": b}
+            {"token": t, "logprob": lp, "bytes": list(b)}
             for t, b, lp in ((*token_text(tid), lp) for tid, lp in token.top_logprobs or [])
         ]
-        content.append({"token": text, "logprob": token.logprob, "bytes": raw, "top_logprobs": top})
+        content.append({"token": text, "logprob": token.logprob, "bytes": list(raw), "top_logprobs": top})
     return {"content": content}
 
 
@@ -67,9 +69,9 @@ class TextOffsets:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0
 
-    def next(self, raw: list[int]) -> int:
+    def next(self, raw: bytes) -> int:
         offset = self._chars
-        self._chars += len(self._decoder.decode(bytes(raw)))
+        self._chars += len(self._decoder.decode(raw))
         return offset
 
 
@@ -90,5 +92,5 @@ def completion_logprobs(
             if token.logprob is not None:
                 choices.setdefault(text, token.logprob)
             result["top_logprobs"].append(choices)
-        result["text_offset"].append(offsets.next([] if i in unseen else raw))
+        result["text_offset"].append(offsets.next(b"" if i in unseen else raw))
     return result

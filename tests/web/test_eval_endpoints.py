@@ -3,6 +3,7 @@ completions and echo with prompt logprobs; then lm-evaluation-harness itself aga
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -166,6 +167,17 @@ def test_an_echoed_prompts_text_offsets_give_no_characters_to_the_bos_its_text_d
     pieces = logprobs["tokens"]
     assert ids[0] == tokenizer.bos_token_id and "".join(pieces[1:]) == body["choices"][0]["text"] == "Hello world"
     assert logprobs["text_offset"] == [0] + [len("".join(pieces[1:i])) for i in range(1, len(pieces))]
+
+
+def test_the_cached_token_texts_are_left_alone_by_the_collector() -> None:
+    """The cache fills up to the vocabulary: entries the collector tracks made every full collection walk them all."""
+    tokenizer = build_tokenizer()
+    token_text = TokenText(tokenizer)
+    entries = [token_text(token_id) for token_id in range(min(200, len(tokenizer)))]
+    gc.collect()
+    assert entries and not any(gc.is_tracked(entry) for entry in entries)
+    text, raw = token_text(tokenizer.encode("Hello", add_special_tokens=False)[0])
+    assert raw == text.encode() and isinstance(raw, bytes)
 
 
 def test_echo_without_logprobs_and_refusals(http: httpx.Client) -> None:
