@@ -71,8 +71,14 @@ def failure_of(output: RequestOutput) -> APIError:
     return APIError(500, output.error or "the request ended without a result", code="engine_error")
 
 
+# A message quotes what the client sent (a model's name, a response id): one sent 200 KB long is not sent back whole.
+MAX_MESSAGE_CHARS = 1000
+
+
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     error_type = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 1] + "…"
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 

@@ -320,6 +320,11 @@ def test_unknown_model_and_ids_are_404s(server: ThreadedServer) -> None:
             assert response.status_code == 404
             assert response.json() == {"error": {"message": "Response with id 'resp_nope' not found.",
                                                  "type": "invalid_request_error", "param": None, "code": None}}
+        # a long name or id (200 KB, 8 KB) is named, not sent back whole
+        for response in (http.post("/v1/responses", json={"model": "m" * 200_000, "input": "x"}),
+                         http.get(f"/v1/responses/resp_{'x' * 8_000}")):  # fmt: skip
+            message = response.json()["error"]["message"]
+            assert response.status_code == 404 and len(message) == 1000 and message.endswith("…"), len(message)
 
 
 def test_a_stored_responses_input_items_are_listed(client: openai.OpenAI, server: ThreadedServer) -> None:
