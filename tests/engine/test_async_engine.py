@@ -26,6 +26,7 @@ from engine.request import OutputStream
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputs
 
+from tests.support.engine_helpers import slow_steps
 from tests.support.server_harness import tiny_engine_config
 
 pytestmark = pytest.mark.anyio
@@ -57,17 +58,6 @@ def prepared(engine: LLMEngine, request_id: str, prompt: str | list[int], **para
 
 async def collect(stream: OutputStream) -> list[RequestOutput]:
     return [output async for output in stream]
-
-
-def slow_steps(engine: LLMEngine, seconds: float) -> None:
-    """Make every forward pass take at least `seconds`, so that timing-based tests do not race a fast CPU."""
-    real_execute = engine.execute
-
-    def slow_execute(plan: Any) -> Any:
-        time.sleep(seconds)
-        return real_execute(plan)
-
-    engine.execute = slow_execute  # type: ignore[method-assign]
 
 
 def offline_text(engine: LLMEngine, prompt: str, params: SamplingParams) -> str:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 
 
 @lru_cache(maxsize=4)
@@ -39,3 +42,14 @@ def assert_pool_full(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests
     assert engine.num_free_blocks == engine.num_total_blocks, (engine.num_free_blocks, engine.num_total_blocks)
+
+
+def slow_steps(engine: LLMEngine, seconds: float) -> None:
+    """Make every forward pass take at least `seconds`, so that timing-based tests do not race a fast CPU."""
+    real_execute = engine.execute
+
+    def slow_execute(plan: Any) -> Any:
+        time.sleep(seconds)
+        return real_execute(plan)
+
+    engine.execute = slow_execute  # type: ignore[method-assign]

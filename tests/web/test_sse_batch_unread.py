@@ -5,8 +5,6 @@ watchdog sees it unread and aborts it after client_read_timeout."""
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Any
 
 import anyio
 import pytest
@@ -20,6 +18,7 @@ from web.metrics import RequestTimer, ServerMetrics
 from web.responses import CompletionResponses
 from web.sse import stream_batch_events
 
+from tests.support.engine_helpers import slow_steps
 from tests.support.server_harness import tiny_engine_config
 
 pytestmark = pytest.mark.anyio
@@ -29,17 +28,6 @@ MAX_TOKENS = 400
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def slow_steps(engine: LLMEngine, seconds: float) -> None:
-    """Every forward pass takes at least `seconds`: the whole output takes longer than the read timeout."""
-    real_execute = engine.execute
-
-    def slow_execute(plan: Any) -> Any:
-        time.sleep(seconds)
-        return real_execute(plan)
-
-    engine.execute = slow_execute  # type: ignore[method-assign]
 
 
 async def test_a_stream_of_several_prompts_left_unread_is_aborted_after_the_read_timeout(tiny_llama_dir) -> None:
