@@ -126,12 +126,16 @@ class GrammarCompiler:
 
 
 _ROW_LIMIT = re.compile(r"Current row has (\d+) items; max is (\d+).*", re.DOTALL)
+# A regex that compiles lazily (a{1000000000}) outgrows the lexer's limit only once the output reaches it.
+_LEXER_LIMIT = re.compile(r"lexer error: too many expressions constructed.*", re.DOTALL)
 
 
 def matcher_error(matcher: LLMatcher) -> str:
     """The matcher's error in words for the client (without llguidance's marker of a non-verbose error, and
     without its advice to grammar writers where the constraint outgrew the parse's row limit)."""
     error = matcher.get_error().replace("<non-verbose/>", "").strip()
+    error = _LEXER_LIMIT.sub("its regular expressions grew past llguidance's limit (a repetition count too large "
+                             "to follow)", error)  # fmt: skip
     return _ROW_LIMIT.sub(r"its parse needs \1 items at once, more than the \2 allowed (a constraint too wide or "
                           r"too ambiguous to follow)", error)  # fmt: skip
 
