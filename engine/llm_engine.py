@@ -356,11 +356,13 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Choices waiting: a request of n waits as n, its fork parent (its shared prompt) or its n sequences."""
+        return sum(seq.num_seats for seq in self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Choices running, counted as num_waiting: a fork parent prefilling is its n choices."""
+        return sum(seq.num_seats for seq in self.scheduler.running)
 
     @property
     def num_seats(self) -> int:

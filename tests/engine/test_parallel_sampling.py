@@ -123,13 +123,26 @@ def test_preempted_choices_free_only_their_references_and_finish_like_unpreempte
         assert_pool_full(small)
 
 
+def test_a_fork_parent_counts_as_its_n_choices_while_it_prefills(tiny_llama_dir):
+    """The running and waiting counts (the gauges, /health, a replica's load) are choices, as max_num_seqs counts."""
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    llm.engine.add_request("a", list(range(5, 45)), dataclasses.replace(SEEDED, n=3, max_tokens=4))
+    llm.engine.step()  # 8 of the 40 prompt tokens: the parent is still prefilling
+    assert len(llm.engine.scheduler.running) == 1 and llm.engine.scheduler.running[0].num_forks == 3
+    assert (llm.engine.num_running, llm.engine.num_waiting) == (3, 0)
+    while "a" in llm.engine.requests:
+        llm.engine.step()
+    assert (llm.engine.num_running, llm.engine.num_waiting) == (0, 0)
+
+
 def test_n_takes_n_places_of_max_num_seqs(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, max_num_seqs=4)
     params = dataclasses.replace(SEEDED, n=3, max_tokens=4)
     llm.engine.add_request("a", PROMPT, params)
     llm.engine.add_request("b", PROMPT, params)
     llm.engine.step()  # a's parent computes the shared blocks and forks; b's 3 choices do not fit beside a's
-    assert llm.engine.num_running == 3 and llm.engine.num_waiting == 1 and llm.engine.num_seats == 6
+    assert llm.engine.num_running == 3 and llm.engine.num_waiting == 3 and llm.engine.num_seats == 6
+    assert len(llm.engine.scheduler.waiting) == 1  # b's fork parent, counted as its 3 choices
     assert {s.request_id for s in llm.engine.scheduler.running} == {"a"}
     while "a" in llm.engine.requests:
         llm.engine.step()
