@@ -42,7 +42,8 @@ class ServerMetrics:
         self.e2e = histogram("e2e_latency", "Accepted to the terminal event", E2E_BUCKETS)
         self.running = Gauge("sluice_requests_running", "Sequences in the running batch (a request's n choices: n)",
                              registry=r)  # fmt: skip
-        self.waiting = Gauge("sluice_requests_waiting", "Sequences waiting in the scheduler", registry=r)
+        self.waiting = Gauge("sluice_requests_waiting", "Sequences waiting in the scheduler (a request's n choices: n)",
+                             registry=r)  # fmt: skip
         self.pending = Gauge("sluice_requests_pending", "Requests in the admission queue", registry=r)
         self.free_blocks = Gauge("sluice_kv_blocks_free", "Free KV-cache blocks", registry=r)
         self.total_blocks = Gauge("sluice_kv_pool_blocks", "KV-cache blocks in the pool", registry=r)
