@@ -114,3 +114,34 @@ def test_an_empty_prompt_begins_from_the_start_token_as_in_vllm(gemma_llm: LLM) 
     out = gemma_llm.generate("", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert out.prompt_token_ids == [bos] and len(out.token_ids) == 3
     assert out.token_ids == gemma_llm.generate([[bos]], GREEDY, use_tqdm=False)[0].token_ids[:3]
+
+
+# Past Gemma 3's sliding window (512 keys): a prompt whose decode crosses position 512, and one of 1,100 tokens,
+# prefilled in 512-token chunks (the default budget) whose later chunks' windows start past the first blocks.
+WINDOW_TEXT = (Path(__file__).resolve().parent.parent / "data" / "public_domain.txt").read_text()
+PAST_WINDOW = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def long_prompts(gemma_llm: LLM) -> list[list[int]]:
+    """500 tokens, 1,100 tokens, and the second's first 777 (48 blocks of 16 and 9 tokens more) before others."""
+    ids = gemma_llm.engine.tokenizer.encode(WINDOW_TEXT)  # <bos> and ~2,000 tokens
+    bos, text = ids[:1], ids[1:]
+    long = bos + text[600:1700]
+    return [bos + text[:500], long, long[:777] + text[:40]]
+
+
+def test_gemma3_270m_past_its_sliding_window_matches_transformers_alone_batched_and_cached(
+    gemma_path: Path, long_prompts: list[list[int]]
+) -> None:
+    """The native step (precision "exact") against transformers' float32 forward where the window matters: an
+    output that crosses position 512, a 1,100-token prompt prefilled in 512-token chunks (the default budget), and
+    a prefix-cache hit past the window that ends mid-block. The same tokens alone and batched."""
+    refs = [hf_greedy(str(gemma_path), p, PAST_WINDOW.max_tokens) for p in long_prompts]
+    llm = LLM(str(gemma_path), num_kv_blocks=256, max_num_seqs=8, precision="exact")
+    assert llm.engine.runner.backend.name == "native"
+    alone = [llm.generate([p], PAST_WINDOW, use_tqdm=False)[0] for p in long_prompts]
+    assert alone[2].num_cached_tokens == 768  # the second prompt's blocks
+    assert [o.token_ids for o in alone] == refs
+    assert [o.token_ids for o in llm.generate(long_prompts, PAST_WINDOW, use_tqdm=False)] == refs
+    assert_pool_full(llm)
