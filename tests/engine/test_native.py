@@ -857,6 +857,27 @@ def test_a_prefill_chunk_gives_each_token_the_bits_it_gets_alone(grid_llama_dir:
     assert torch.equal(pieces, alone)
 
 
+def test_greedy_output_is_the_same_preempted_and_speculated_on_qwen3_and_gemma3(grid_variant_dir: Path) -> None:
+    """The same on Qwen 3 and on Gemma 3 past its sliding window (8 keys: every prompt here but one outgrows it), and
+    in a pool so small that sequences are preempted and recomputed, and with speculative decoding."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 17, 40, 9, 33)]
+
+    def make(**overrides) -> LLM:
+        return LLM(str(grid_variant_dir), **{"block_size": 4, "num_kv_blocks": 256, "max_num_seqs": 8, **overrides})
+
+    alone, *others = greedy_runs(make, prompts)
+    preempting = make(num_kv_blocks=24)
+    others.append([o.token_ids for o in preempting.generate(prompts, GREEDY, use_tqdm=False)])
+    assert preempting.engine.num_preemptions > 0
+    speculating = make(speculative="on")
+    others.append([o.token_ids for o in speculating.generate(prompts, GREEDY, use_tqdm=False)])
+    for other in others:
+        assert other == alone
+    for llm in (preempting, speculating):
+        assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (8, 2), (8, 1)])
 def test_paired_tokens_of_a_chunk_keep_their_bits_whatever_the_query_group(
     tmp_path: Path, heads: int, kv_heads: int
