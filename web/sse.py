@@ -151,8 +151,7 @@ async def stream_batch_events(
     except Exception:  # not the client leaving (BaseException): the stream still ends as promised
         logger.exception("a stream failed while it was written")
         for timer in timers:
-            if not timer.ended:
-                timer.end(FinishReason.ERROR)
+            timer.end(FinishReason.ERROR)  # (a timer ends once: the prompts that finished keep their reason)
         yield engine_error_event(BROKEN_STREAM) + DONE
     finally:
         for reader in readers:
