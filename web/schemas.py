@@ -67,7 +67,7 @@ class RequestBody(BaseModel):
 class SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
 
-    model: str
+    model: str | None = None  # the served model (as vLLM: OpenAI requires it, a one-model server need not)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

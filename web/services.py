@@ -75,9 +75,10 @@ class Services:
         return partial(ReasoningSplitter, syntax, prepared.first_phase,
                        self._thought_marker_tokens.get(syntax.end), lambda token_id: token_text(token_id)[0])  # fmt: skip
 
-    def check_model(self, requested: str) -> str:
+    def check_model(self, requested: str | None) -> str:
+        """The served model's name. A request may leave its model out (vLLM's rule: one model per server)."""
         served = self.model_name
-        if requested != served:
+        if requested is not None and requested != served:
             raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
                            param="model", code="model_not_found")  # fmt: skip
         return served

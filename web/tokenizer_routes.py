@@ -18,11 +18,10 @@ Body = TypeVar("Body", TokenizeRequest, DetokenizeRequest)
 
 
 async def tokenizer_request(s: Services, model: type[Body]) -> Body:
-    """The parsed body; `model` is optional here, but checked when given."""
+    """The parsed body; `model` is optional, as everywhere, but checked when given."""
     data, _ = await receive_body(s)
     body = parse_request(model, parse_json(data))
-    if body.model is not None:
-        s.check_model(body.model)
+    s.check_model(body.model)
     return body
 
 

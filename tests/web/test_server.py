@@ -256,6 +256,21 @@ def test_models_and_health(http: httpx.Client, server: ThreadedServer) -> None:
     assert after[0] - before[0] == 2 * usage["prompt_tokens"] and after[1] - before[1] == usage["completion_tokens"] + 12
 
 
+def test_a_request_may_leave_the_model_out_as_vllm_allows(http: httpx.Client) -> None:
+    """curl users of a one-model server send no model (vLLM and llama.cpp's server take that); a wrong one is 404."""
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        unnamed = {k: v for k, v in body.items() if k != "model"}
+        answer = http.post(path, json=unnamed)
+        assert answer.status_code == 200 and answer.json()["model"] == MODEL
+        assert answer.json()["choices"][0] == http.post(path, json=body).json()["choices"][0]
+        stream = stream_request(http, path, {**unnamed, "model": None})
+        chunks = [event for event in stream.events if event != "[DONE]"]
+        assert stream.status == 200 and chunks and all(chunk["model"] == MODEL for chunk in chunks)
+        wrong = http.post(path, json={**body, "model": "gpt-4o"})
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    response = http.post("/v1/responses", json={"input": "Hello world", "max_output_tokens": 8})
+    assert response.status_code == 200 and response.json()["model"] == MODEL
+
 def test_stop_and_sampling_parameters_are_accepted(client: openai.OpenAI, http: httpx.Client) -> None:
     result = client.chat.completions.create(
         model=MODEL, messages=CHAT["messages"], max_completion_tokens=8, temperature=0.8, top_p=0.9, seed=7,

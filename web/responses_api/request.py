@@ -88,7 +88,7 @@ class TextConfig(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = StrictModel
 
-    model: str
+    model: str | None = None  # the served model, as in chat and completions
     input: str | list[Any]  # items are checked one by one (input_items), to name the one at fault
     instructions: str | None = None
     max_output_tokens: int | None = None  # the ranges of these three are SamplingParams' (one rule)
