@@ -138,7 +138,7 @@ class LLMEngine:
 
     def step(self, on_failed: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One step. A forward pass that raises fails its requests and the error is raised here; their final deltas
-        go to on_failed first (a caller stepping for others hands them on)."""
+        go to on_failed first (a caller stepping for others hands them on), as do the "abort" ones of an interrupt."""
         plan = self.schedule_step()
         if plan is None:
             return []
@@ -150,7 +150,9 @@ class LLMEngine:
                 on_failed(failed)
             raise
         except BaseException:  # KeyboardInterrupt in the caller's thread: the step's tokens are lost
-            self.interrupt_step(plan)
+            interrupted = self.interrupt_step(plan)
+            if on_failed is not None:
+                on_failed(interrupted)
             raise
         return self.finish_step(plan, output)
 
@@ -271,12 +273,16 @@ class LLMEngine:
             outputs += self.output_processor.final(seq, FinishReason.ERROR, FORWARD_FAILED)
         return outputs
 
-    def interrupt_step(self, plan: StepPlan) -> None:
+    def interrupt_step(self, plan: StepPlan) -> list[RequestOutput]:
         """The caller was interrupted during the forward pass (Ctrl-C): its requests end as aborted, their blocks
-        freed, and the engine serves the next step."""
+        freed, and the engine serves the next step. Returns their final deltas (a stream another call opened
+        would otherwise end without one)."""
         self._plan = None
+        outputs = []
         for chunk in plan.chunks:
             self._finish(chunk.seq, FinishReason.ABORT)
+            outputs += self.output_processor.final(chunk.seq, FinishReason.ABORT)
+        return outputs
 
     # ---- internals ------------------------------------------------------------------------------------
     def _choices(self, request: PreparedRequest) -> list[Sequence]:

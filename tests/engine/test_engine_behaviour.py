@@ -425,6 +425,28 @@ def test_ctrl_c_during_a_forward_pass_leaves_the_llm_usable(llm, monkeypatch):
     assert_pool_full(llm)
 
 
+def test_ctrl_c_during_another_calls_step_ends_an_open_stream_with_abort(llm, monkeypatch):
+    """A KeyboardInterrupt in the forward pass of generate() ends the step's requests: a stream opened by another
+    call whose request was in that step ends with an "abort" delta (it ended silently, as if cut short)."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    stream = llm.stream([5, 6, 7], params)
+    assert not next(stream).finished
+    run = llm.engine.runner.run
+    calls = []
+
+    def interrupted_once(batch):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return run(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "run", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[8, 9, 10]], params, use_tqdm=False)
+    assert [d.finish_reason for d in stream] == ["abort"]
+    assert_pool_full(llm)
+
+
 def test_params_changed_after_construction_are_checked_when_added(llm):
     good = SamplingParams(max_tokens=4, temperature=0)
     bad = SamplingParams(max_tokens=4)
