@@ -120,9 +120,23 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta, stop
         num_held = self._num_possible_stop_start(text, self._stop_and_markers if can_stop else self._markers)
-        delta, self._held = text[: len(text) - num_held], text[len(text) - num_held :]
+        cut = self._cut_outside_markers(text, len(text) - num_held)
+        delta, self._held = text[:cut], text[cut:]
         self.text += delta
         return delta, None
+
+    def _cut_outside_markers(self, text: str, cut: int) -> int:
+        """cut, or the start of a whole marker it falls inside: a stop string may begin with a marker's last
+        characters (">>>" after "</think>" held its ">"), and a marker split between deltas is never seen by the
+        reasoning splitter (the answer then stayed in the thought)."""
+        is_moved = True
+        while is_moved:
+            is_moved = False
+            for marker in self._markers:
+                start = text.find(marker, max(0, cut - len(marker) + 1))
+                if start != -1 and start < cut:
+                    cut, is_moved = start, True
+        return cut
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None

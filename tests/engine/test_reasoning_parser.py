@@ -134,6 +134,21 @@ def test_markers_held_back_never_stop_the_output_and_stop_strings_still_do() -> 
     assert (text, stop) == ("<think>ab</think>", "c")
 
 
+@pytest.mark.parametrize("stop", [">>>", "k> ", "nk>\n"])
+def test_a_stop_string_that_may_begin_in_a_markers_tail_does_not_split_the_marker(stop: str) -> None:
+    """A stop string that may begin with a marker's last characters (">>>" after "</think>" held its ">") holds
+    the whole marker back, not its tail: "</think" and ">The" in two deltas hid the thought's end from the splitter,
+    and the answer was streamed as reasoning."""
+    tokenizer = build_tokenizer()
+    text = "<think>I weigh it</think>The answer is yes"
+    detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, tokenizer.encode(PLAIN_PROMPT), [stop], False,
+                                         True, QWEN3.markers)  # fmt: skip
+    deltas = [detokenizer.step(t)[0] for t in tokenizer.encode(text)] + [detokenizer.flush(is_cut=False)]
+    assert "".join(deltas) == text
+    assert any("</think>" in delta for delta in deltas), deltas
+    assert split(QWEN3, deltas) == ("I weigh it", "The answer is yes")
+
+
 def test_the_config_names_the_parsers_and_the_tokenizer_must_hold_the_markers() -> None:
     assert EngineConfig().reasoning_parser == "" and reasoning_syntax("") is None
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
