@@ -12,6 +12,7 @@ from web.chat_page import blueprint as chat_page
 from web.cors import CORS
 from web.responses_api.routes import blueprint as responses_api
 from web.errors import register_error_handlers
+from web.health_answer import HealthAnswer
 from web.routes import blueprint
 from web.services import Services
 from web.tokenizer_routes import blueprint as tokenizer_routes
@@ -25,10 +26,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> Quart:
         BODY_TIMEOUT=config.body_timeout,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
+    app.extensions["sluice"] = services = Services(engine, config)
+    app.asgi_app = HealthAnswer(app.asgi_app, engine, services.metrics)  # type: ignore[method-assign]
     app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes, config.body_timeout)  # type: ignore[method-assign]
     if config.cors_origin_list:  # outermost: preflights are answered before anything else, every response marked
         app.asgi_app = CORS(app.asgi_app, config.cors_origin_list)  # type: ignore[method-assign]
-    app.extensions["sluice"] = services = Services(engine, config)
     register_error_handlers(app)
 
     @app.after_request

@@ -13,12 +13,12 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Response, current_app, request
 
-from engine.async_engine import EngineState, QueueFull, Reservation
+from engine.async_engine import QueueFull, Reservation
 from engine.input_processor import PreparedRequest
 from engine.outputs import ChoiceOutput, FinishReason
 from engine.request import OutputStream
-from web.cluster.stats import ClusterStats
 from web.errors import APIError, failure_of
+from web.health_answer import health_answer
 from web.json_response import json_response
 from web.metrics import RequestTimer
 from web.responses import ChatResponses, CompletionResponses, EchoedPrompt, ResponseFormat
@@ -106,18 +106,9 @@ def model_card(s: Services, model_id: str | None = None) -> dict[str, Any]:
 
 @blueprint.get("/health")
 async def health() -> Response:
-    stats = services().engine.stats()
-    body = {
-        "state": stats.state,
-        "waiting": stats.waiting,
-        "running": stats.running,
-        "pending": stats.pending,
-        "free_kv_blocks": stats.free_kv_blocks,
-        "total_kv_blocks": stats.total_kv_blocks,
-    }
-    if isinstance(stats, ClusterStats):
-        body["replicas"] = stats.replicas_body()
-    return json_response(body, 200 if stats.state == EngineState.READY.value else 503)
+    """Answered before Quart by web/health_answer.py (GET and HEAD); here for its other methods' 405."""
+    body, status = health_answer(services().engine)
+    return json_response(body, status)
 
 
 @blueprint.get("/metrics")
