@@ -1,18 +1,24 @@
 """A replica's channel to one front (web/cluster/replica.py's FrontChannel): the deltas that are ready together
 leave as one item, an abort closes the request's stream at once, a second reader of the same front takes over
-from the first without losing or aborting anything, and requests no reader comes for are aborted."""
+from the first without losing or aborting anything, and requests no reader comes for are aborted; and how the
+replica queues a batch of requests (submit_many)."""
 
 from __future__ import annotations
 
 import asyncio
 import warnings
+from types import SimpleNamespace
 
 import pytest
+
+from engine.async_engine import EngineState, EngineUnavailable, QueueFull
+from engine.input_processor import PreparedRequest
+from web.cluster.submit_batches import Refusal
 
 pytest.importorskip("ray", reason="the cluster extra (pip install -e '.[cluster]') is not installed")
 with warnings.catch_warnings():  # Ray Serve's import warns about its own use of pydantic's deprecated Field
     warnings.simplefilter("ignore", DeprecationWarning)
-    from web.cluster.replica import FrontChannel, FrontChannels
+    from web.cluster.replica import EngineReplica, FrontChannel, FrontChannels
 
 
 class FakeStream:
@@ -94,3 +100,54 @@ def test_requests_no_reader_comes_for_are_aborted_and_a_late_reader_keeps_them()
         assert kept.num_closes >= 1 and fronts.get("slow-front") is None
 
     asyncio.run(scenario())
+
+
+def test_a_batch_queues_its_plain_requests_before_compiling_a_grammar_and_refuses_requests_alone() -> None:
+    """EngineReplica.submit_many: a request with a grammar is compiled after the others are queued (the first
+    compilation can take seconds); a request refused (full) or failing is refused alone; an engine that takes
+    nothing (stopping) fails the whole call, so that the front sends the batch elsewhere."""
+    events: list[str] = []
+
+    class Engine:
+        is_stopping = False
+
+        def generate(self, request: PreparedRequest) -> FakeStream:
+            if self.is_stopping:
+                raise EngineUnavailable(EngineState.DRAINING)
+            if request.request_id == "full":
+                raise QueueFull("no room")
+            events.append(f"queued {request.request_id}")
+            return FakeStream(request.request_id)
+
+    def compile_grammar(structured: str, phase: object) -> str:
+        if structured == "bad":
+            raise ValueError("no grammar")
+        events.append(f"compiled {structured}")
+        return "a matcher"
+
+    class Bare(EngineReplica.func_or_class):  # type: ignore[name-defined]  # its face without Ray and a model
+        def __del__(self) -> None:
+            pass  # there is no engine loop to cancel
+
+    replica = object.__new__(Bare)
+    replica.index, replica.engine, replica._fronts = 0, Engine(), FrontChannels()
+    processor = SimpleNamespace(compile_grammar=compile_grammar, grammar_compiler=SimpleNamespace(has_tokenizer=True))
+    replica._loaded = [SimpleNamespace(input_processor=processor)]
+
+    def request(request_id: str, structured: str | None = None) -> PreparedRequest:
+        params = SimpleNamespace(structured_outputs=structured)
+        return PreparedRequest(request_id, [1], params, 4)  # type: ignore[arg-type]
+
+    async def scenario() -> dict[str, Refusal]:
+        batch = [request("g", "json"), request("a"), request("full"), request("bad", "bad"), request("b")]
+        refusals = await replica.submit_many("front", batch)
+        replica.engine.is_stopping = True
+        with pytest.raises(EngineUnavailable):
+            await replica.submit_many("front", [request("c")])
+        replica._fronts.end_reader("front", replica._fronts.for_reader("front")[1])
+        return refusals
+
+    refusals = asyncio.run(scenario())
+    assert events == ["queued a", "queued b", "compiled json", "queued g"]
+    assert refusals == {"full": Refusal(is_full=True, message="no room"),
+                        "bad": Refusal(is_full=False, message="ValueError: no grammar")}  # fmt: skip

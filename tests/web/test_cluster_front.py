@@ -1,5 +1,6 @@
-"""The front's bookkeeping of its replicas (web/cluster/front.py, no Ray: fake handles): a request whose submit fails
-goes to another ready replica, no ready replica means 503 "loading", and a replica that failed shows no stale load."""
+"""The front's bookkeeping of its replicas (web/cluster/front.py, no Ray: fake handles): the requests of one lap to one
+replica leave in one call, a request whose submit fails goes to another ready replica, a request the replica refuses
+ends alone, no ready replica means 503 "loading", and a replica that failed shows no stale load."""
 
 from __future__ import annotations
 
@@ -13,30 +14,41 @@ import pytest
 
 from engine.async_engine import EngineState, EngineUnavailable
 from engine.config import ClusterConfig, SluiceConfig
+from engine.input_processor import PreparedRequest
 from engine.outputs import FinishReason
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 from engine.speculative.stats import ProposerCounts
-from web.cluster.front import REPLICA_FAILED, ClusterEngine, ReplicaSlot, _InFlight, _replica_body
+from web.cluster.front import REPLICA_FAILED, REPLICA_FULL, ClusterEngine, ReplicaSlot, _InFlight, _replica_body
+from web.cluster.router import Router
 from web.cluster.stats import ReplicaStats
+from web.cluster.submit_batches import Refusal
 
 
 class FakeCall:
     def __init__(self, handle: FakeHandle, name: str) -> None:
         self.handle, self.name = handle, name
 
-    async def remote(self, front_id: str, request: Any) -> None:
+    async def remote(self, front_id: str, payload: Any) -> dict[str, Refusal]:
         if self.handle.during_call is not None:
             self.handle.during_call()
         if self.handle.is_dead:
             raise RuntimeError("the actor died")
-        self.handle.calls.append((self.name, getattr(request, "request_id", request)))
+        request_ids = [r.request_id for r in payload] if self.name == "submit" else [payload]
+        if self.name == "submit":
+            self.handle.batches.append(request_ids)
+        self.handle.calls += [(self.name, request_id) for request_id in request_ids]
+        return {r: self.handle.refusals[r] for r in request_ids if r in self.handle.refusals}
 
 
 class FakeHandle:
     def __init__(self, is_dead: bool = False) -> None:
         self.is_dead = is_dead
         self.during_call: Any = None  # called while a call travels
-        self.calls: list[tuple[str, str]] = []
-        self.submit, self.abort = FakeCall(self, "submit"), FakeCall(self, "abort")
+        self.calls: list[tuple[str, str]] = []  # (method, request id), a submitted batch's request by request
+        self.batches: list[list[str]] = []  # each submit_many call's request ids
+        self.refusals: dict[str, Refusal] = {}  # what submit_many answers for these request ids
+        self.submit_many, self.abort = FakeCall(self, "submit"), FakeCall(self, "abort")
 
 
 class FakeRequest:
@@ -59,12 +71,17 @@ def front_with(*slots: ReplicaSlot) -> ClusterEngine:
     return engine
 
 
-async def submit(engine: ClusterEngine, flight: _InFlight) -> None:
-    engine._requests["r"] = flight
-    flight.slot.num_in_flight += 1
+async def submit(engine: ClusterEngine, *flights: _InFlight) -> None:
+    """The flights (request ids r, r1, r2...) in one batch to the first one's replica."""
+    batch = []
+    for number, flight in enumerate(flights):
+        request_id = f"r{number or ''}"
+        engine._requests[request_id] = flight
+        flight.slot.num_in_flight += 1
+        batch.append((SimpleNamespace(request_id=request_id), flight))
     async with anyio.create_task_group() as tg:
         engine._tg = tg
-        await engine._submit(SimpleNamespace(request_id="r"), flight)  # type: ignore[arg-type]
+        await engine._submit(flights[0].slot, batch)  # type: ignore[arg-type]
     engine._tg = None
 
 
@@ -110,7 +127,7 @@ def test_a_submit_waiting_on_a_replica_that_fails_is_cancelled_and_sent_elsewher
         await anyio.sleep_forever()
 
     async def scenario() -> None:
-        slot.handle.submit.remote = lambda front_id, request: wait_forever()  # type: ignore[method-assign]
+        slot.handle.submit_many.remote = lambda front_id, requests: wait_forever()  # type: ignore[method-assign]
         async with anyio.create_task_group() as tg:
             tg.start_soon(submit, engine, flight)
             await held.wait()
@@ -118,6 +135,45 @@ def test_a_submit_waiting_on_a_replica_that_fails_is_cancelled_and_sent_elsewher
 
     anyio.run(scenario)
     assert flight.slot is other and flight.is_submitted and other.handle.calls == [("submit", "r")]
+
+
+def test_the_requests_of_one_lap_to_one_replica_leave_in_one_call_and_a_refusal_ends_only_its_own() -> None:
+    """Each Ray call wakes Ray Serve's router thread: a wave of requests costs one call a replica, not one each. A
+    request its replica did not queue (full, or a failure of its own) ends alone, and the replica stays routed."""
+    first, second = ReplicaSlot(0, FakeHandle(), is_ready=True), ReplicaSlot(1, FakeHandle(), is_ready=True)
+    engine = front_with(first, second)
+    engine._router = Router("round_robin", 2, memory_blocks=16)
+    engine._processor = object()  # type: ignore[assignment]
+    first.handle.refusals["r2"] = Refusal(is_full=False, message="ValueError: no grammar")
+    second.handle.refusals["r3"] = Refusal(is_full=True, message="the queue is full")
+    shells = [Request() for _ in range(4)]
+
+    async def scenario() -> list[tuple[FinishReason | None, str | None] | None]:
+        async with anyio.create_task_group() as tg:
+            engine._tg, engine._num_reserved = tg, len(shells)
+            # in one lap; round robin: r0 and r2 to the first replica
+            streams = [engine.queue(shell, PreparedRequest(f"r{number}", [1, 2, 3], SamplingParams(max_tokens=4), 4))
+                       for number, shell in enumerate(shells)]  # fmt: skip
+        ends = [await anext(stream) if stream.request.is_finished else None for stream in streams]
+        return [(end.finish_reason, end.error) if end is not None else None for end in ends]
+
+    ends = anyio.run(scenario)
+    assert first.handle.batches == [["r0", "r2"]] and second.handle.batches == [["r1", "r3"]]
+    assert ends == [None, None, (FinishReason.ERROR, "ValueError: no grammar"), (FinishReason.ERROR, REPLICA_FULL)]
+    assert first.is_ready and second.is_ready and sorted(engine._requests) == ["r0", "r1"]
+    assert all(engine._requests[r].is_submitted for r in ("r0", "r1"))
+
+
+def test_a_batch_whose_replica_died_goes_on_in_one_call_but_a_request_already_answered_ends() -> None:
+    dead, alive = ReplicaSlot(0, FakeHandle(is_dead=True), is_ready=True), ReplicaSlot(1, FakeHandle(), is_ready=True)
+    engine = front_with(dead, alive)
+    flights = [_InFlight(FakeRequest(), dead) for _ in range(3)]  # type: ignore[arg-type]
+    flights[2].num_delivered = 1  # its first deltas came back before the call failed: it cannot start again
+    anyio.run(submit, engine, *flights)
+    assert alive.handle.batches == [["r", "r1"]] and all(f.slot is alive and f.is_submitted for f in flights[:2])
+    ends = [f.request.ended for f in flights]  # type: ignore[attr-defined]
+    assert ends == [None, None, (FinishReason.ERROR, REPLICA_FAILED)]
+    assert (dead.num_in_flight, alive.num_in_flight) == (0, 2) and not dead.is_ready
 
 
 def test_no_ready_replica_is_503_loading_in_health_and_admission() -> None:

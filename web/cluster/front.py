@@ -2,14 +2,14 @@
 (reserve / generate / abort / stats / prepare_* / run / drain), so that the HTTP layer does not change.
 
 The front tokenizes and checks here (the replicas' tokenizer travels to it), routes each prepared request to
-one replica (web/cluster/router.py) and submits it there; one stream a replica (web/cluster/replica.py's
-outputs()) brings back the deltas of all of this front's requests there, every delta that was ready in one
-item, and each goes into its local Request (engine/request.py), whose OutputStream the SSE writer reads exactly
-as it reads a local engine's. Every request's stream ends once: the replica's finish, an abort (client gone,
-drain: the replica is told, and frees its KV before its next step), or an error event when the replica fails
-(its process died, and with it the stream). A failed replica leaves
-the routing at once and rejoins when it answers again (Ray Serve restarts it; a new process forgets its prefix
-memory).
+one replica (web/cluster/router.py) and submits it there (those of one lap to one replica in one call:
+web/cluster/submit_batches.py); one stream a replica (web/cluster/replica.py's outputs()) brings back the deltas
+of all of this front's requests there, every delta that was ready in one item, and each goes into its local
+Request (engine/request.py), whose OutputStream the SSE writer reads exactly as it reads a local engine's. Every
+request's stream ends once: the replica's finish, an abort (client gone, drain: the replica is told, and frees
+its KV before its next step), or an error event when the replica fails (its process died, and with it the
+stream). A failed replica leaves the routing at once and rejoins when it answers again (Ray Serve restarts it; a
+new process forgets its prefix memory).
 Only the event-loop thread touches this state; Ray calls are awaited, never blocking the loop, except the
 start and the shutdown of Ray, which run in a worker thread.
 """
@@ -41,6 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculative.stats import ProposerCounts, summed_counts
 from web.cluster.router import Router, prompt_block_hashes
 from web.cluster.stats import ClusterStats, ReplicaStats
+from web.cluster.submit_batches import LapBatches, Refusal
 
 logger = logging.getLogger("sluice.cluster")
 
@@ -90,7 +91,7 @@ class _InFlight:
     slot: ReplicaSlot
     is_submitted: bool = False  # the replica has it: ending it early means telling the replica
     num_delivered: int = 0  # its deltas passed on to the client
-    submit_scope: anyio.CancelScope | None = None  # while its submit travels
+    submit_scope: anyio.CancelScope | None = None  # while its submit travels (its batch's)
 
 
 class ClusterEngine:
@@ -118,6 +119,7 @@ class ClusterEngine:
         self._num_ended_at_once = 0  # requests abort_all ended (a second stop signal), for the drain's log
         self._shutdown_done: anyio.Event | None = None
         self._inputs = InputSlot()
+        self._submits: LapBatches[ReplicaSlot, tuple[PreparedRequest, _InFlight]] = LapBatches(self._submit)
         self._front_id = uuid.uuid4().hex  # names this front's requests and output stream to the replicas
         self.is_forward_abandoned = False  # no forward pass runs in this process
 
@@ -391,39 +393,51 @@ class ClusterEngine:
         slot.num_in_flight += 1
         # A grammar matcher cannot travel; the replica compiles its own from params.structured_outputs.
         wire = replace(request, matcher=None) if request.matcher is not None else request
-        self._tg.start_soon(self._submit, wire, flight)
+        self._send_soon(slot, wire, flight)
         return OutputStream(shell, self.abort)
 
-    async def _submit(self, request: PreparedRequest, flight: _InFlight) -> None:
-        """Send the request to its replica. If that replica fails first (the submit raises, or the replica's stream
-        fails while the submit travels: Ray Serve then holds the call for the replacement), the request goes to
-        another ready replica while nothing of it has reached the client, else it ends with an error."""
-        request_id = request.request_id
-        while True:
-            slot, sent_at = flight.slot, time.monotonic()
-            failure: BaseException | None = None
-            with anyio.CancelScope() as flight.submit_scope:
-                try:
-                    await slot.handle.submit.remote(self._front_id, request)
-                except QueueFull:  # only when other fronts share this replica and filled it meanwhile
-                    self._end(request_id, FinishReason.ERROR, REPLICA_FULL)
-                    return
-                except Exception as error:
-                    failure = error
+    async def _submit(self, slot: ReplicaSlot, batch: list[tuple[PreparedRequest, _InFlight]]) -> None:
+        """Send the requests one lap routed to this replica, in one call. One the replica refuses ends alone (full:
+        REPLICA_FULL). If the replica fails first (the call raises, or its stream fails while the call travels: Ray
+        Serve then holds it for the replacement), each request goes to another ready replica while nothing of it has
+        reached the client, else it ends with an error."""
+        sent_at = time.monotonic()
+        refusals: dict[str, Refusal] = {}
+        failure: BaseException | None = None
+        scope = anyio.CancelScope()  # _replica_failed cancels it through any of the batch's flights
+        for _, flight in batch:
+            flight.submit_scope = scope
+        with scope:
+            try:
+                refusals = await slot.handle.submit_many.remote(self._front_id, [request for request, _ in batch])
+            except Exception as error:
+                failure = error
+        for _, flight in batch:
             flight.submit_scope = None
-            if failure is None and slot.failed_at is not None and slot.failed_at >= sent_at:
-                failure = RuntimeError("the replica failed while the request travelled")
-            if failure is None:
+        if failure is None and slot.failed_at is not None and slot.failed_at >= sent_at:
+            failure = RuntimeError("the replica failed while the requests travelled")
+        if failure is not None:
+            self._replica_failed(slot, failure)
+        for request, flight in batch:
+            request_id = request.request_id
+            refusal = refusals.get(request_id)
+            if failure is None and refusal is not None:
+                self._end(request_id, FinishReason.ERROR, REPLICA_FULL if refusal.is_full else refusal.message)
+            elif failure is None:
                 flight.is_submitted = True
                 if self._requests.get(request_id) is not flight:  # ended while it travelled: the replica has it now
                     self._tell_abort(slot, request_id)
-                return
-            self._replica_failed(slot, failure)
-            self._tell_abort(slot, request_id)  # it may have landed there, or on the replacement
-            if self._requests.get(request_id) is flight and not flight.num_delivered and self._move_to_another(flight):
-                continue
-            self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
-            return
+            else:
+                self._tell_abort(slot, request_id)  # it may have landed there, or on the replacement
+                is_untouched = self._requests.get(request_id) is flight and not flight.num_delivered
+                if is_untouched and self._move_to_another(flight):
+                    self._send_soon(flight.slot, request, flight)
+                else:
+                    self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
+
+    def _send_soon(self, slot: ReplicaSlot, request: PreparedRequest, flight: _InFlight) -> None:
+        assert self._tg is not None
+        self._submits.add(self._tg, slot, (request, flight))
 
     def _move_to_another(self, flight: _InFlight) -> bool:
         """A request whose submit failed (its replica died, typically before the front noticed) goes to the least

@@ -1,6 +1,6 @@
 """One engine replica: an AsyncEngine (its own KV pool and prefix cache) inside a Ray Serve deployment.
 
-The front sends it prepared requests (tokenized and checked there) with submit() and reads the deltas of all of
+The front sends it prepared requests (tokenized and checked there) with submit_many() and reads the deltas of all of
 them back through one streaming call per front, outputs(): each item is every delta that was ready, typically
 one step's deltas of every request, so a step of 64 streams costs one Ray item, not 64. abort() (the client
 left, or the front drains) closes a request's output stream: the engine frees it before its next step. A front
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
-from engine.async_engine import AsyncEngine, EngineState
+from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable, QueueFull
 from engine.config import SluiceConfig
 from engine.errors import load_refusals
 from engine.input_processor import PreparedRequest
@@ -31,6 +31,7 @@ from engine.outputs import RequestOutput
 from engine.request import OutputStream
 from engine.speculative.stats import summed_counts
 from web.cluster.stats import ReplicaStats
+from web.cluster.submit_batches import Refusal
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -166,17 +167,34 @@ class EngineReplica:
             speculation=summed_counts(stats.speculation or {}),  # a copy: the engine's own go on counting
         )
 
-    async def submit(self, front_id: str, request: PreparedRequest) -> None:
-        """Queue the request; its deltas go out on that front's outputs(). QueueFull when this replica is full."""
-        if request.params.structured_outputs is not None:  # a grammar matcher does not travel: compile it here
-            processor = self._llm.input_processor
-            compiler = processor.grammar_compiler
-            # after the thought, as one process compiles it: the front read where the output starts
-            compile_it = partial(processor.compile_grammar, request.params.structured_outputs, request.first_phase)
-            # the first also builds llguidance's view of the vocabulary (seconds for a large one): not on the loop
-            matcher = compile_it() if compiler.has_tokenizer else await asyncio.to_thread(compile_it)
-            request = replace(request, matcher=matcher)
-        self._fronts.for_submit(front_id).add(self.engine.generate(request))
+    async def submit_many(self, front_id: str, requests: list[PreparedRequest]) -> dict[str, Refusal]:
+        """Queue the requests (their deltas go out on that front's outputs()); a Refusal, by request id, for each one
+        not queued: full (QueueFull) or its own failure. Those with a grammar are queued after the others: the first
+        compilation waits for llguidance's view of the vocabulary (seconds for a large one)."""
+        refusals: dict[str, Refusal] = {}
+        for request in sorted(requests, key=lambda r: r.params.structured_outputs is not None):  # stable: in order
+            try:
+                if request.params.structured_outputs is not None:
+                    request = await self._with_matcher(request)
+                self._fronts.for_submit(front_id).add(self.engine.generate(request))
+            except QueueFull as full:  # only when other fronts share this replica and filled it meanwhile
+                refusals[request.request_id] = Refusal(is_full=True, message=str(full))
+            except EngineUnavailable:
+                raise  # the replica takes nothing now (it is stopping): the front sends the whole batch elsewhere
+            except Exception as error:
+                logger.exception("replica %d: request %s not queued", self.index, request.request_id)
+                refusals[request.request_id] = Refusal(is_full=False, message=f"{type(error).__name__}: {error}")
+        return refusals
+
+    async def _with_matcher(self, request: PreparedRequest) -> PreparedRequest:
+        """A grammar matcher does not travel: compile it here, after the thought, as one process compiles it (the
+        front read where the output starts)."""
+        assert request.params.structured_outputs is not None
+        processor = self._llm.input_processor
+        compile_it = partial(processor.compile_grammar, request.params.structured_outputs, request.first_phase)
+        # the first also builds llguidance's view of the vocabulary (seconds for a large one): not on the loop
+        matcher = compile_it() if processor.grammar_compiler.has_tokenizer else await asyncio.to_thread(compile_it)
+        return replace(request, matcher=matcher)
 
     async def abort(self, front_id: str, request_id: str) -> None:
         channel = self._fronts.get(front_id)
