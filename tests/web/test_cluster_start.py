@@ -1,4 +1,4 @@
-"""A replicas front told to stop while Ray Serve starts, and by a hangup of its whole process group: after the
+"""A replicas front told to stop while Ray Serve starts, and by a signal to its whole process group: after the
 cluster module's server has gone (a Ray of its own each)."""
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ def test_a_sigterm_while_serve_starts_drains_and_exits_0(tiny_llama_dir: Path, t
         server.close()
 
 
-def test_a_hangup_of_the_terminals_process_group_drains_the_replicas(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """A closed terminal signals its whole process group, Ray's GCS and raylet with the front: they start with
-    SIGHUP ignored, so the front drains the streams on the replicas (they were killed under it: the streams stalled
-    until drain_timeout, then the front exited 1 for want of its GCS)."""
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_a_signal_to_the_servers_process_group_drains_the_replicas(signum: int, tiny_llama_dir: Path,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """A closed terminal (SIGHUP), `kill -TERM -PGID` or a supervisor signals the server's whole process group: a local
+    Ray's GCS and raylet lead groups of their own, so the front alone drains the streams on the replicas (in its
+    group they died under it: the streams stalled until drain_timeout, or Serve's controller could not be shut down,
+    and the front exited 1 for want of its GCS)."""
     server = ClusterServer(tiny_llama_dir, tmp_path / "server.log")
     body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
@@ -48,7 +51,7 @@ def test_a_hangup_of_the_terminals_process_group_drains_the_replicas(tiny_llama_
         with httpx.Client(base_url=server.base_url, timeout=120) as client, ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(stream, client) for _ in range(2)]
             wait_until(lambda: sum(r["in_flight"] for r in server.replicas()) == 2, timeout=30, interval=0.02)
-            os.killpg(server.process.pid, signal.SIGHUP)
+            os.killpg(server.process.pid, signum)
             signalled = time.monotonic()
             results = [f.result(timeout=120) for f in futures]
         assert server.process.wait(120) == 0, server.log_text()[-3000:]

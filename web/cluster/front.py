@@ -279,8 +279,7 @@ class ClusterEngine:
                                  f"({error})") from None
 
             # A SIGTERM in the seconds Serve takes to start would meet ray.init's handler (a stack dump, then abort)
-            launch = partial(launch_replicas, on_ray_started=partial(anyio.from_thread.run_sync, _take_back_signals),
-                             before_ray_start=partial(anyio.from_thread.run_sync, _ignore_hangup))  # fmt: skip
+            launch = partial(launch_replicas, on_ray_started=partial(anyio.from_thread.run_sync, _take_back_signals))
         self._launched = await anyio.to_thread.run_sync(launch, self.config, abandon_on_cancel=True)
         _take_back_signals()
         self._slots = [ReplicaSlot(i, h) for i, h in enumerate(self._launched.handles)]
@@ -550,18 +549,6 @@ class ClusterEngine:
         return self._processor
 
 
-_hangup_handler: list[Any] = []  # this process's SIGHUP handler while a local Ray starts with SIGHUP ignored
-
-
-def _ignore_hangup() -> None:
-    """A local Ray's GCS and raylet are started in this process's group, and the replicas by the raylet: a SIGHUP to
-    the group (a closed terminal) would kill them mid-drain. A signal ignored here stays ignored across their exec,
-    so they start while SIGHUP is ignored; _take_back_signals puts the server's handler back."""
-    if threading.current_thread() is threading.main_thread():
-        _hangup_handler.append(signal.getsignal(signal.SIGHUP))
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-
 def _take_back_signals() -> None:
     """ray.init installs a native failure handler for SIGTERM that logs a stack and then kills the process: the
     server's own handlers (drain first) are put back in front of it."""
@@ -571,9 +558,6 @@ def _take_back_signals() -> None:
         handler = signal.getsignal(signum)
         if handler is not None:
             signal.signal(signum, handler)
-    while _hangup_handler:
-        handler = _hangup_handler.pop()
-        signal.signal(signal.SIGHUP, handler if handler is not None else signal.SIG_DFL)
 
 
 def _replica_body(slot: ReplicaSlot) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -76,19 +77,47 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
                          f"(`ray start --head`), or leave ray_address empty for a local cluster") from None
 
 
+@contextmanager
+def in_process_groups_of_their_own() -> Iterator[None]:
+    """Ray's processes started meanwhile (a local cluster's GCS, raylet and their helpers) each lead a process group
+    of their own. In the server's group, a signal to the group (Ctrl-C, a closed terminal, `kill -TERM -PGID`, a
+    supervisor stopping a process group) reached them with the front: they died under the drain, and the front
+    waited 30 s on Serve's controller, then exited 1 for want of its GCS. Now the front alone gets it, drains the
+    replicas and stops Ray. Ray has no setting for this: its launcher (`ConsolePopen`) is wrapped meanwhile; a Ray
+    without that launcher starts them as before. (Ray's workers, the replicas, lead their own groups already.)"""
+    from ray._private import services
+
+    launcher = getattr(services, "ConsolePopen", None)
+    if launcher is None:
+        yield
+        return
+
+    class InGroupOfItsOwn(launcher):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = InGroupOfItsOwn
+    try:
+        yield
+    finally:
+        services.ConsolePopen = launcher
+
+
 def start_local_ray() -> None:
-    """No dashboard, the node known to Ray as 127.0.0.1, the CPUs of this machine. Ray's own servers (GCS,
-    raylet, workers) still listen on every interface: Ray has no setting to bind them to one (the README says to
-    firewall them). Ray gives its raylet 30 s (fixed) to register; on a machine busy enough to miss that, the start
-    is tried again."""
+    """No dashboard, the node known to Ray as 127.0.0.1, the CPUs of this machine, Ray's processes out of the
+    server's process group. Ray's own servers (GCS, raylet, workers) still listen on every interface: Ray has no
+    setting to bind them to one (the README says to firewall them). Ray gives its raylet 30 s (fixed) to register;
+    on a machine busy enough to miss that, the start is tried again."""
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
-            ray.init(
-                num_cpus=os.cpu_count() or 1,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                logging_level=logging.WARNING,
-            )
+            with in_process_groups_of_their_own():
+                ray.init(
+                    num_cpus=os.cpu_count() or 1,
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    logging_level=logging.WARNING,
+                )
             return
         except Exception as error:  # Ray raises a bare Exception for "timed out during startup"
             ray.shutdown()
@@ -98,19 +127,15 @@ def start_local_ray() -> None:
                            LOCAL_START_ATTEMPTS)  # fmt: skip
 
 
-def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | None = None,
-                    before_ray_start: Callable[[], None] | None = None) -> LaunchedCluster:  # fmt: skip
-    """before_ray_start: called before a local Ray's processes are started (they inherit what this process
-    ignores); on_ray_started: called once ray.init returns, before the seconds Serve takes to start (ray.init
-    installs a native SIGTERM handler that the server takes back)."""
+def launch_replicas(config: SluiceConfig, on_ray_started: Callable[[], None] | None = None) -> LaunchedCluster:
+    """on_ray_started: called once ray.init returns, before the seconds Serve takes to start (ray.init installs a
+    native SIGTERM handler that the server takes back)."""
     cluster = config.cluster
     started_ray = False
     if not cluster.ray_address:  # the replicas will run here: a file they would refuse is said before Ray starts
         open_checkpoint(config.engine.model, config.engine.cache_path)  # its header only: ~20 ms
         if config.engine.chat_template:
             read_chat_template(config.engine.chat_template)
-    if before_ray_start is not None and not cluster.ray_address and not ray.is_initialized():
-        before_ray_start()
     if not ray.is_initialized():
         if cluster.ray_address:
             check_reachable(cluster.ray_address)
