@@ -5,6 +5,8 @@ ends alone, no ready replica means 503 "loading", and a replica that failed show
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -287,3 +289,72 @@ def test_replicas_without_ray_installed_is_one_line_saying_what_to_install(monke
     engine = ClusterEngine(SluiceConfig(cluster=ClusterConfig(replicas=2)))
     with pytest.raises(ValueError, match=r"^replicas = 2 needs Ray Serve: pip install -e '\.\[cluster\]' \(.*ray"):
         anyio.run(engine._start)
+
+
+class StartingReplica:
+    """A replica's handle while the replicas start: its reports say `state`; its output stream fails once Ray is shut
+    down (Serve kills the replica), as a real one's does."""
+
+    def __init__(self, state: str, shutdowns: list[str]) -> None:
+        self.report = ReplicaStats(pid=7, state=state, running=0, waiting=0, pending=0, free_kv_blocks=1,
+                                   total_kv_blocks=1, num_prefix_queries=0, num_prefix_hits=0)  # fmt: skip
+        self.shutdowns = shutdowns
+        self.stats = SimpleNamespace(remote=self._report)
+        self.outputs = SimpleNamespace(remote=lambda front_id: self)
+
+    async def _report(self) -> ReplicaStats:
+        return self.report
+
+    def options(self, stream: bool) -> StartingReplica:
+        return self
+
+    def __aiter__(self) -> StartingReplica:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self.shutdowns:
+            await anyio.sleep(0.01)
+        raise RuntimeError("the actor died")
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stop_during", ["ray_start", "replicas_load"])
+def test_a_stop_during_the_start_stops_what_was_started_and_is_no_failure(stop_during: str, caplog) -> None:
+    """SIGTERM while ray.init ran in its thread: the start was abandoned, nothing stopped the Ray it went on to start,
+    and the process lingered a minute after "stopped: exit 0" and exited 1 ("Failed to connect to GCS"). SIGTERM
+    while the replicas loaded: the engine's run returned without reporting started, which the host logged as "the
+    engine loop failed" with a traceback, and a replica ready by then was logged as failed when Ray's shutdown ended
+    its stream. The host's order: drain, then cancel."""
+    is_launching, may_return = threading.Event(), threading.Event()
+    shutdowns: list[str] = []
+    handles = [StartingReplica("ready", shutdowns), StartingReplica("loading", shutdowns)]
+
+    def launch(config: SluiceConfig) -> SimpleNamespace:  # ray.init and Serve's start: not to be interrupted
+        is_launching.set()
+        may_return.wait(10)
+        return SimpleNamespace(handles=handles, shutdown=shutdown, raise_if_failed=lambda: None)
+
+    def shutdown() -> None:  # Serve's and Ray's: seconds, in which the engine's start sees the stop
+        time.sleep(0.5)
+        shutdowns.append("shutdown")
+
+    engine = ClusterEngine(SluiceConfig(cluster=ClusterConfig(replicas=2)), launch=launch)
+    if stop_during == "replicas_load":
+        may_return.set()
+
+    async def host() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(tg.start, engine.run))  # as web/asgi.py starts it: an error there fails the test
+            await anyio.to_thread.run_sync(is_launching.wait)
+            await anyio.sleep(0.3)  # the replicas are polled meanwhile, once launched
+            threading.Timer(0.3, may_return.set).start()
+            await engine.drain(0)
+            await anyio.sleep(0.3)  # Hypercorn stops, then the lifespan's shutdown cancels
+            tg.cancel_scope.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="sluice.cluster"):
+        anyio.run(host)
+    assert shutdowns == ["shutdown"] and engine.state is EngineState.STOPPED
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -118,6 +118,8 @@ class ClusterEngine:
         self._all_finished: anyio.Event | None = None
         self._num_ended_at_once = 0  # requests abort_all ended (a second stop signal), for the drain's log
         self._shutdown_done: anyio.Event | None = None
+        self._launch_done: anyio.Event | None = None  # set when Ray's start (in its thread) has returned or failed
+        self._launch_scope: anyio.CancelScope | None = None  # the start's shield: _shutdown bounds the wait for it
         self._inputs = InputSlot()
         self._submits: LapBatches[ReplicaSlot, tuple[PreparedRequest, _InFlight]] = LapBatches(self._submit)
         self._front_id = uuid.uuid4().hex  # names this front's requests and output stream to the replicas
@@ -232,17 +234,22 @@ class ClusterEngine:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start Ray and the replicas (in a thread), wait for every replica, report started, then poll their
         load until drained."""
+        is_started = False
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 await self._start()
-                if self._stop.is_set():
-                    return
-                self._state = EngineState.READY
-                logger.info("%d replicas ready, routing %s", self.num_replicas, self.config.cluster.routing)
-                task_status.started()
-                await self._poll_until_stopped()
-                tg.cancel_scope.cancel()
+                if not self._stop.is_set():
+                    is_started = True
+                    self._state = EngineState.READY
+                    logger.info("%d replicas ready, routing %s", self.num_replicas, self.config.cluster.routing)
+                    task_status.started()
+                    await self._poll_until_stopped()
+                tg.cancel_scope.cancel()  # the replicas' listeners: before Ray's shutdown ends their streams
+            self._tg = None
+            if not is_started:  # stopped while starting: a return is an error to tg.start
+                logger.info("stopped before the replicas were ready")
+                await anyio.sleep_forever()  # the host's cancel ends it, as it ends one process's load
         finally:
             self._tg = None
             if self._state is not EngineState.DRAINING:
@@ -280,7 +287,19 @@ class ClusterEngine:
 
             # A SIGTERM in the seconds Serve takes to start would meet ray.init's handler (a stack dump, then abort)
             launch = partial(launch_replicas, on_ray_started=partial(anyio.from_thread.run_sync, _take_back_signals))
-        self._launched = await anyio.to_thread.run_sync(launch, self.config, abandon_on_cancel=True)
+        if self._stop.is_set():
+            return
+        # A stop while Ray starts (ray.init cannot be interrupted) waits for the start, so that _shutdown stops what
+        # it started: an abandoned start went on in its thread while the process exited, which then lingered a
+        # minute and exited 1 ("Failed to connect to GCS"). _shutdown bounds the wait.
+        self._launch_done = anyio.Event()
+        with anyio.CancelScope(shield=True) as self._launch_scope:
+            try:
+                self._launched = await anyio.to_thread.run_sync(launch, self.config, abandon_on_cancel=True)
+            finally:
+                self._launch_done.set()
+        if self._launched is None:  # the wait bounded by _shutdown ran out
+            return
         _take_back_signals()
         self._slots = [ReplicaSlot(i, h) for i, h in enumerate(self._launched.handles)]
         with anyio.fail_after(START_TIMEOUT):
@@ -312,8 +331,11 @@ class ClusterEngine:
                 await self._shutdown_done.wait()
             return
         self._shutdown_done = anyio.Event()
-        launched, self._launched = self._launched, None
         try:
+            if self._launch_scope is not None and self._launch_done is not None and not self._launch_done.is_set():
+                self._launch_scope.deadline = anyio.current_time() + SHUTDOWN_TIMEOUT
+                await self._launch_done.wait()
+            launched, self._launched = self._launched, None
             if launched is not None:
                 with anyio.move_on_after(SHUTDOWN_TIMEOUT):
                     await anyio.to_thread.run_sync(launched.shutdown, abandon_on_cancel=True)
