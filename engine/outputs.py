@@ -24,6 +24,9 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+NOT_RUN = "engine_loading"  # an error_code (see RequestOutput.error_code), as EngineUnavailable's 503 says it
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One choice's progress in one step. Every choice (index 0 .. n-1) of a request gets exactly one delta with
@@ -41,7 +44,8 @@ class RequestOutput:
     logprobs: list[SampledToken] | None = None  # one per new token when the request asked for logprobs
     error: str | None = None  # set when finish_reason == "error"
     # Set with error when the request's own input failed it mid-output (a grammar past its parser's limits): OpenAI's
-    # error code for a 400, where an error without one is the engine's (a 500).
+    # error code for a 400, where an error without one is the engine's (a 500). NOT_RUN: nothing of the request ran
+    # and the server cannot run it now (every replica failed before it could): a 503 that says when to try again.
     error_code: str | None = None
     # With the first token, when the request asked for them: one per prompt token (None for the first).
     prompt_logprobs: list[SampledToken | None] | None = None

@@ -130,11 +130,12 @@ class Request:
         self._ready.set()
         return True
 
-    def end(self, reason: FinishReason, error: str | None = None) -> None:
+    def end(self, reason: FinishReason, error: str | None = None, error_code: str | None = None) -> None:
         """Finish every unfinished choice from outside the engine's deltas (abort, drain, a failed engine)."""
         for index, finished in enumerate(self.finish_reasons):
             if finished is None:
-                final = RequestOutput(self.request_id, [], "", True, reason, error=error, index=index)
+                final = RequestOutput(self.request_id, [], "", True, reason, error=error, error_code=error_code,
+                                      index=index)  # fmt: skip
                 final.num_prompt_tokens = self.num_prompt_tokens
                 final.num_output_tokens = self._num_output_tokens[index]
                 final.num_cached_tokens = self._num_cached_tokens

@@ -7,12 +7,12 @@ import logging
 from typing import Any
 
 import anyio
-from quart import Quart, Response, current_app, request
+from quart import Quart, Response, current_app, has_app_context, request
 from werkzeug.exceptions import HTTPException
 
 from engine.async_engine import EngineState, EngineUnavailable
 from engine.errors import InvalidRequest
-from engine.outputs import RequestOutput
+from engine.outputs import NOT_RUN, RequestOutput
 from web.json_response import json_response
 
 logger = logging.getLogger(__name__)
@@ -65,10 +65,21 @@ class APIError(Exception):
 
 def failure_of(output: RequestOutput) -> APIError:
     """What a choice that ended without a result (finish_reason "error", or none) answers: the request's own error
-    (a 400 with its code: a grammar past its limits) or the engine's (a 500)."""
+    (a 400 with its code: a grammar past its limits), one the server could not run now (a 503 with Retry-After:
+    every replica failed before it ran), or the engine's (a 500)."""
+    if output.error_code == NOT_RUN:
+        return APIError(503, f"the server is not accepting requests: {output.error}", code=NOT_RUN,
+                        headers=retry_after_headers())  # fmt: skip
     if output.error_code is not None:
         return APIError(400, output.error or output.error_code, code=output.error_code)
     return APIError(500, output.error or "the request ended without a result", code="engine_error")
+
+
+def retry_after_headers() -> dict[str, str]:
+    """When to try again (an answer in a stream's error event has no headers to carry it)."""
+    if not has_app_context():
+        return {}
+    return {"Retry-After": str(current_app.extensions["sluice"].config.retry_after_seconds)}
 
 
 # A message quotes what the client sent (a model's name, a response id): one sent 200 KB long is not sent back whole.
@@ -111,7 +122,7 @@ def register_error_handlers(app: Quart) -> None:
         message = f"the server is not accepting requests: {error}"
         # Loading (or, with replicas, every replica restarting) ends by itself: say when to try again.
         is_loading = error.state is EngineState.LOADING
-        headers = {"Retry-After": str(current_app.extensions["sluice"].config.retry_after_seconds)} if is_loading else None
+        headers = retry_after_headers() if is_loading else None
         return APIError(503, message, code=f"engine_{error.state.value}", headers=headers).response()
 
     @app.errorhandler(HTTPException)

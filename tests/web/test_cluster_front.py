@@ -13,18 +13,28 @@ from typing import Any
 
 import anyio
 import pytest
+from quart import Quart
 
 from engine.async_engine import EngineState, EngineUnavailable
 from engine.config import ClusterConfig, SluiceConfig
 from engine.input_processor import PreparedRequest
-from engine.outputs import FinishReason
+from engine.outputs import NOT_RUN, FinishReason, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculative.stats import ProposerCounts
-from web.cluster.front import REPLICA_FAILED, REPLICA_FULL, ClusterEngine, ReplicaSlot, _InFlight, _replica_body
+from web.cluster.front import (
+    NO_REPLICA_READY,
+    REPLICA_FAILED,
+    REPLICA_FULL,
+    ClusterEngine,
+    ReplicaSlot,
+    _InFlight,
+    _replica_body,
+)
 from web.cluster.router import Router
 from web.cluster.stats import ReplicaStats
 from web.cluster.submit_batches import Refusal
+from web.errors import failure_of
 
 
 class FakeCall:
@@ -56,13 +66,14 @@ class FakeHandle:
 class FakeRequest:
     def __init__(self) -> None:
         self.ended: tuple[FinishReason, str | None] | None = None
+        self.error_code: str | None = None
 
     @property
     def is_finished(self) -> bool:
         return self.ended is not None
 
-    def end(self, reason: FinishReason, error: str | None = None) -> None:
-        self.ended = (reason, error)
+    def end(self, reason: FinishReason, error: str | None = None, error_code: str | None = None) -> None:
+        self.ended, self.error_code = (reason, error), error_code
 
 
 def front_with(*slots: ReplicaSlot) -> ClusterEngine:
@@ -97,13 +108,35 @@ def test_a_submit_to_a_replica_that_just_died_goes_to_another() -> None:
     assert (dead.num_in_flight, alive.num_in_flight) == (0, 1) and not dead.is_ready
 
 
-def test_a_submit_that_fails_with_no_other_replica_ends_with_an_error() -> None:
+def test_a_submit_that_fails_with_no_other_replica_ends_as_not_run_and_the_client_gets_503_with_retry_after() -> None:
+    """Nothing of it ran (every replica failed before it could): the answer is OpenAI's "try again", not a 500."""
     dead = ReplicaSlot(0, FakeHandle(is_dead=True), is_ready=True)
     engine = front_with(dead)
     flight = _InFlight(FakeRequest(), dead)  # type: ignore[arg-type]
     anyio.run(submit, engine, flight)
-    assert flight.request.ended == (FinishReason.ERROR, REPLICA_FAILED)  # type: ignore[attr-defined]
+    request: FakeRequest = flight.request  # type: ignore[assignment]
+    assert request.ended == (FinishReason.ERROR, NO_REPLICA_READY) and request.error_code == NOT_RUN
     assert dead.num_in_flight == 0 and not engine._requests
+    app = Quart(__name__)
+    app.extensions["sluice"] = SimpleNamespace(config=SimpleNamespace(retry_after_seconds=1))
+
+    async def answer_to(output: RequestOutput) -> Any:
+        async with app.app_context():  # as the route turns the final output into its answer
+            return failure_of(output)
+
+    final = RequestOutput("r", [], "", True, FinishReason.ERROR, error=NO_REPLICA_READY, error_code=NOT_RUN)
+    answer = anyio.run(answer_to, final)
+    assert (answer.status, answer.code, answer.headers) == (503, "engine_loading", {"Retry-After": "1"})
+    assert failure_of(RequestOutput("r", [], "", True, FinishReason.ERROR, error=REPLICA_FAILED)).status == 500
+
+
+def test_a_submit_that_fails_after_deltas_came_back_with_no_other_replica_ends_with_an_error() -> None:
+    dead = ReplicaSlot(0, FakeHandle(is_dead=True), is_ready=True)
+    engine = front_with(dead)
+    flight = _InFlight(FakeRequest(), dead, num_delivered=1)  # type: ignore[arg-type]
+    anyio.run(submit, engine, flight)
+    request: FakeRequest = flight.request  # type: ignore[assignment]
+    assert request.ended == (FinishReason.ERROR, REPLICA_FAILED) and request.error_code is None
 
 
 def test_a_submit_that_lands_after_its_replicas_stream_failed_goes_to_another_and_is_aborted_there() -> None:

@@ -35,7 +35,7 @@ from engine.reasoning_parser import ReasoningSyntax, reasoning_syntax
 from engine.errors import InvalidRequest
 from engine.input_processor import InputProcessor, PreparedRequest, Prompt
 from engine.input_slot import InputSlot, chat_size, prompt_size, with_grammar
-from engine.outputs import FinishReason, RequestOutput
+from engine.outputs import NOT_RUN, FinishReason, RequestOutput
 from engine.request import OutputStream, Request, abort_abandoned
 from engine.sampling_params import SamplingParams
 from engine.speculative.stats import ProposerCounts, summed_counts
@@ -453,6 +453,8 @@ class ClusterEngine:
                 is_untouched = self._requests.get(request_id) is flight and not flight.num_delivered
                 if is_untouched and self._move_to_another(flight):
                     self._send_soon(flight.slot, request, flight)
+                elif is_untouched:  # nothing of it ran, and no replica is ready: a 503 that says when to retry
+                    self._end(request_id, FinishReason.ERROR, NO_REPLICA_READY, NOT_RUN)
                 else:
                     self._end(request_id, FinishReason.ERROR, REPLICA_FAILED)
 
@@ -529,12 +531,13 @@ class ClusterEngine:
             if flight.slot is slot and flight.submit_scope is not None:
                 flight.submit_scope.cancel()
 
-    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None,
+             error_code: str | None = None) -> bool:  # fmt: skip
         flight = self._requests.get(request_id)
         if flight is None or flight.request.is_finished:
             self._forget(request_id)
             return False
-        flight.request.end(reason, error)
+        flight.request.end(reason, error, error_code)
         if flight.is_submitted and reason is not FinishReason.ERROR:  # an error came from the replica's side
             self._tell_abort(flight.slot, request_id)
         self._forget(request_id)
