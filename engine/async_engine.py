@@ -525,9 +525,11 @@ class AsyncEngine:
             self._all_finished.set()
 
 
-def log_drained(num_in_flight: int, num_left: int, timeout: float, num_ended_at_once: int = 0) -> None:
+def log_drained(num_in_flight: int, num_left: int, timeout: float, num_ended_at_once: int = 0,
+                num_failed: int = 0) -> None:  # fmt: skip
     """What a drain did with the requests in flight when it began (nothing to say when there were none): those
-    that finished, those a second stop signal ended, those the deadline ended."""
+    that finished (num_failed of them with an error: a replica that died meanwhile), those a second stop signal
+    ended, those the deadline ended."""
     if not num_in_flight:
         return
     num_ended_at_once = min(num_ended_at_once, num_in_flight - num_left)
@@ -535,5 +537,7 @@ def log_drained(num_in_flight: int, num_left: int, timeout: float, num_ended_at_
         num_aborted, when = num_ended_at_once, "a second stop signal"
     else:
         num_aborted, when = num_left, f"drain_timeout ({timeout:g} s)"
-    logger.info("drain: %d of %d requests in flight finished, %d ended with finish_reason 'abort' at %s",
-                num_in_flight - num_left - num_ended_at_once, num_in_flight, num_aborted, when)  # fmt: skip
+    num_finished = num_in_flight - num_left - num_ended_at_once
+    failed = f" ({min(num_failed, num_finished)} of them with an error)" if num_failed else ""
+    logger.info("drain: %d of %d requests in flight finished%s, %d ended with finish_reason 'abort' at %s",
+                num_finished, num_in_flight, failed, num_aborted, when)  # fmt: skip

@@ -75,6 +75,11 @@ class FakeRequest:
     def end(self, reason: FinishReason, error: str | None = None, error_code: str | None = None) -> None:
         self.ended, self.error_code = (reason, error), error_code
 
+    def push(self, output: RequestOutput) -> bool:  # a replica's delta, read at once
+        if output.finished:
+            self.ended = (output.finish_reason, output.error)
+        return True
+
 
 def front_with(*slots: ReplicaSlot) -> ClusterEngine:
     engine = ClusterEngine(SluiceConfig())
@@ -310,6 +315,30 @@ def test_a_drain_ended_by_a_second_signal_says_so_once(caplog) -> None:
     assert drained == ["drain: 0 of 1 requests in flight finished, 1 ended with finish_reason 'abort' at a second "
                        "stop signal"]  # fmt: skip
     assert slot.num_in_flight == 0
+
+
+def test_a_drain_says_how_many_of_the_finished_requests_failed(caplog) -> None:
+    """A replica that dies under a drain ends its streams with an error: the drain's log does not call them finished
+    like the others."""
+    slot = ReplicaSlot(0, FakeHandle(), is_ready=True)
+    engine = front_with(slot)
+    for request_id in ("r", "r1"):
+        engine._requests[request_id] = _InFlight(FakeRequest(), slot, is_submitted=True)  # type: ignore[arg-type]
+        slot.num_in_flight += 1
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tg:
+            engine._tg = tg
+            tg.start_soon(engine.drain, 30)
+            await anyio.sleep(0.1)
+            engine._end("r", FinishReason.ERROR, REPLICA_FAILED)  # its replica died
+            engine._deliver(slot, "r1", RequestOutput("r1", [], "", True, FinishReason.LENGTH))
+
+    with caplog.at_level(logging.INFO, logger="engine.async_engine"):
+        anyio.run(scenario)
+    drained = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain:")]
+    assert drained == ["drain: 2 of 2 requests in flight finished (1 of them with an error), 0 ended with "
+                       "finish_reason 'abort' at drain_timeout (30 s)"]  # fmt: skip
 
 
 def test_replicas_without_ray_installed_is_one_line_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,6 +117,7 @@ class ClusterEngine:
         self._stop = anyio.Event()
         self._all_finished: anyio.Event | None = None
         self._num_ended_at_once = 0  # requests abort_all ended (a second stop signal), for the drain's log
+        self._num_failed_draining = 0  # requests ended with an error while draining (a replica died), for the same
         self._shutdown_done: anyio.Event | None = None
         self._launch_done: anyio.Event | None = None  # set when Ray's start (in its thread) has returned or failed
         self._launch_scope: anyio.CancelScope | None = None  # the start's shield: _shutdown bounds the wait for it
@@ -271,7 +272,7 @@ class ClusterEngine:
                 self._all_finished = anyio.Event()
             with anyio.move_on_after(timeout):
                 await self._all_finished.wait()
-        log_drained(num_in_flight, len(self._requests), timeout, self._num_ended_at_once)
+        log_drained(num_in_flight, len(self._requests), timeout, self._num_ended_at_once, self._num_failed_draining)
         self._end_everything(FinishReason.ABORT)
         self._stop.set()
         await self._shutdown()
@@ -508,6 +509,7 @@ class ClusterEngine:
         if not flight.request.push(output):  # the reader is gone
             self._end(request_id, FinishReason.ABORT)
         elif flight.request.is_finished:
+            self._count_failure(output.finish_reason)
             self._forget(request_id)
 
     def _tell_abort(self, slot: ReplicaSlot, request_id: str) -> None:
@@ -538,10 +540,15 @@ class ClusterEngine:
             self._forget(request_id)
             return False
         flight.request.end(reason, error, error_code)
+        self._count_failure(reason)
         if flight.is_submitted and reason is not FinishReason.ERROR:  # an error came from the replica's side
             self._tell_abort(flight.slot, request_id)
         self._forget(request_id)
         return True
+
+    def _count_failure(self, reason: FinishReason | None) -> None:
+        if reason is FinishReason.ERROR and self._state is EngineState.DRAINING:
+            self._num_failed_draining += 1
 
     def _forget(self, request_id: str) -> None:
         flight = self._requests.pop(request_id, None)
