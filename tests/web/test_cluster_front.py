@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -293,37 +294,13 @@ def test_speculation_counters_are_summed_over_replicas_and_never_go_down() -> No
     assert seen == [(8, 2, 0), (8, 2, 0), (10, 3, 0)]
 
 
-def test_a_drain_ended_by_a_second_signal_says_so_once(caplog) -> None:
-    """The front's requests are forgotten as they end: a drain cut short by a second stop signal logged them as
-    "finished", and the lifespan's second drain logged nothing of them."""
+def drain_log(caplog, num_requests: int, meanwhile: Callable[[ClusterEngine, ReplicaSlot], None]) -> list[str]:
+    """The drain's log line(s) for num_requests in flight on one replica (r, r1, ...), `meanwhile` run 0.1 s into
+    the drain, then the lifespan's second drain."""
     slot = ReplicaSlot(0, FakeHandle(), is_ready=True)
     engine = front_with(slot)
-    engine._requests["r"] = _InFlight(FakeRequest(), slot)  # type: ignore[arg-type]
-    slot.num_in_flight += 1
-
-    async def scenario() -> None:
-        async with anyio.create_task_group() as tg:
-            engine._tg = tg
-            tg.start_soon(engine.drain, 30)
-            await anyio.sleep(0.1)
-            engine.abort_all()  # the second SIGTERM / SIGINT
-        await engine.drain(30)  # the lifespan's shutdown drains again
-
-    with caplog.at_level(logging.INFO, logger="engine.async_engine"):
-        anyio.run(scenario)
-    drained = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain:")]
-    assert drained == ["drain: 0 of 1 requests in flight finished, 1 ended with finish_reason 'abort' at a second "
-                       "stop signal"]  # fmt: skip
-    assert slot.num_in_flight == 0
-
-
-def test_a_drain_says_how_many_of_the_finished_requests_failed(caplog) -> None:
-    """A replica that dies under a drain ends its streams with an error: the drain's log does not call them finished
-    like the others."""
-    slot = ReplicaSlot(0, FakeHandle(), is_ready=True)
-    engine = front_with(slot)
-    for request_id in ("r", "r1"):
-        engine._requests[request_id] = _InFlight(FakeRequest(), slot, is_submitted=True)  # type: ignore[arg-type]
+    for number in range(num_requests):
+        engine._requests[f"r{number or ''}"] = _InFlight(FakeRequest(), slot, is_submitted=True)  # type: ignore[arg-type]
         slot.num_in_flight += 1
 
     async def scenario() -> None:
@@ -331,12 +308,32 @@ def test_a_drain_says_how_many_of_the_finished_requests_failed(caplog) -> None:
             engine._tg = tg
             tg.start_soon(engine.drain, 30)
             await anyio.sleep(0.1)
-            engine._end("r", FinishReason.ERROR, REPLICA_FAILED)  # its replica died
-            engine._deliver(slot, "r1", RequestOutput("r1", [], "", True, FinishReason.LENGTH))
+            meanwhile(engine, slot)
+        await engine.drain(30)
 
     with caplog.at_level(logging.INFO, logger="engine.async_engine"):
         anyio.run(scenario)
-    drained = [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain:")]
+    assert slot.num_in_flight == 0
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("drain:")]
+
+
+def test_a_drain_ended_by_a_second_signal_says_so_once(caplog) -> None:
+    """The front's requests are forgotten as they end: a drain cut short by a second stop signal logged them as
+    "finished", and the lifespan's second drain logged nothing of them."""
+    drained = drain_log(caplog, 1, lambda engine, _: engine.abort_all())  # the second SIGTERM / SIGINT
+    assert drained == ["drain: 0 of 1 requests in flight finished, 1 ended with finish_reason 'abort' at a second "
+                       "stop signal"]  # fmt: skip
+
+
+def test_a_drain_says_how_many_of_the_finished_requests_failed(caplog) -> None:
+    """A replica that dies under a drain ends its streams with an error: the drain's log does not call them finished
+    like the others."""
+
+    def one_fails_one_finishes(engine: ClusterEngine, slot: ReplicaSlot) -> None:
+        engine._end("r", FinishReason.ERROR, REPLICA_FAILED)  # its replica died
+        engine._deliver(slot, "r1", RequestOutput("r1", [], "", True, FinishReason.LENGTH))
+
+    drained = drain_log(caplog, 2, one_fails_one_finishes)
     assert drained == ["drain: 2 of 2 requests in flight finished (1 of them with an error), 0 ended with "
                        "finish_reason 'abort' at drain_timeout (30 s)"]  # fmt: skip
 
