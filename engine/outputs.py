@@ -24,7 +24,7 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
-NOT_RUN = "engine_loading"  # an error_code (see RequestOutput.error_code), as EngineUnavailable's 503 says it
+NOT_RUN = "engine_loading"  # an error_code (see RequestOutput.error_code): the web layer answers it as loading
 
 
 @dataclass(slots=True)

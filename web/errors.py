@@ -68,18 +68,20 @@ def failure_of(output: RequestOutput) -> APIError:
     (a 400 with its code: a grammar past its limits), one the server could not run now (a 503 with Retry-After:
     every replica failed before it ran), or the engine's (a 500)."""
     if output.error_code == NOT_RUN:
-        return APIError(503, f"the server is not accepting requests: {output.error}", code=NOT_RUN,
-                        headers=retry_after_headers())  # fmt: skip
+        return unavailable(EngineState.LOADING, output.error or NOT_RUN)
     if output.error_code is not None:
         return APIError(400, output.error or output.error_code, code=output.error_code)
     return APIError(500, output.error or "the request ended without a result", code="engine_error")
 
 
-def retry_after_headers() -> dict[str, str]:
-    """When to try again (an answer in a stream's error event has no headers to carry it)."""
-    if not has_app_context():
-        return {}
-    return {"Retry-After": str(current_app.extensions["sluice"].config.retry_after_seconds)}
+def unavailable(state: EngineState, detail: str) -> APIError:
+    """503: the engine takes no request now. Loading (or, with replicas, every replica restarting) ends by itself:
+    the answer says when to try again (Retry-After; an answer in a stream's error event has no headers for it)."""
+    headers = None
+    if state is EngineState.LOADING and has_app_context():
+        headers = {"Retry-After": str(current_app.extensions["sluice"].config.retry_after_seconds)}
+    return APIError(503, f"the server is not accepting requests: {detail}", code=f"engine_{state.value}",
+                    headers=headers)  # fmt: skip
 
 
 # A message quotes what the client sent (a model's name, a response id): one sent 200 KB long is not sent back whole.
@@ -119,11 +121,7 @@ def register_error_handlers(app: Quart) -> None:
     @app.errorhandler(EngineUnavailable)
     async def handle_unavailable(error: EngineUnavailable) -> Response:
         await drain_request_body(503)
-        message = f"the server is not accepting requests: {error}"
-        # Loading (or, with replicas, every replica restarting) ends by itself: say when to try again.
-        is_loading = error.state is EngineState.LOADING
-        headers = retry_after_headers() if is_loading else None
-        return APIError(503, message, code=f"engine_{error.state.value}", headers=headers).response()
+        return unavailable(error.state, str(error)).response()
 
     @app.errorhandler(HTTPException)
     async def handle_http_exception(error: HTTPException) -> Response:
